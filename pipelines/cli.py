@@ -1,0 +1,109 @@
+"""`liftoff`: the command line. Each subcommand composes `conf/` with Hydra overrides.
+
+liftoff config [overrides]                 the composed, validated config
+liftoff artifacts ls [KIND] [overrides]    versions in the store
+liftoff artifacts show KIND/NAME[@VERSION] [overrides]   manifest and lineage
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+from omegaconf import OmegaConf
+
+from components.config import ConfigError, compose
+
+
+def _split(args: list[str]) -> tuple[list[str], list[str]]:
+    """Positional words vs Hydra overrides (anything with '=' or a leading '+'/'~')."""
+    overrides = [a for a in args if "=" in a or a.startswith(("+", "~"))]
+    return [a for a in args if a not in overrides], overrides
+
+
+def cmd_config(args: list[str]) -> int:
+    words, overrides = _split(args)
+    if words:
+        raise UsageError(f"liftoff config takes only overrides, got {words[0]!r}")
+    print(OmegaConf.to_yaml(compose(overrides)), end="")
+    return 0
+
+
+def cmd_artifacts(args: list[str]) -> int:
+    from components.store import open_store
+
+    words, overrides = _split(args)
+    if not words or words[0] not in ("ls", "show"):
+        raise UsageError("usage: liftoff artifacts ls [KIND] | show KIND/NAME[@VERSION]  [overrides]")
+    cfg = compose(overrides)
+    store = open_store(OmegaConf.to_object(cfg.store))
+    if words[0] == "ls":
+        for m in store.ls(words[1] if len(words) > 1 else None):
+            size = sum(f["size"] for f in m.files.values())
+            print(f"{m.ref}\t{m.created}\t{len(m.files)} files\t{size} bytes")
+        return 0
+    if len(words) != 2:
+        raise UsageError("usage: liftoff artifacts show KIND/NAME[@VERSION]")
+    target = words[1]
+    kind_name, _, version = target.partition("@")
+    kind, _, name = kind_name.partition("/")
+    manifest = store.resolve(kind, name, version or "latest")
+    print(manifest.to_json())
+    print("lineage:")
+    _print_lineage(store.lineage(manifest.ref), 1)
+    return 0
+
+
+def _print_lineage(node: dict, depth: int) -> None:
+    note = " (missing)" if node.get("missing") else f"  created {node.get('created')}"
+    print("  " * depth + node["ref"] + note)
+    for parent in node["parents"]:
+        _print_lineage(parent, depth + 1)
+
+
+class UsageError(ValueError):
+    pass
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "config": cmd_config,
+    "artifacts": cmd_artifacts,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from components.store import StoreError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"liftoff: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return command(argv[1:])
+    except (HydraException, OmegaConfBaseException, ConfigError, UsageError, StoreError) as e:
+        print(f"liftoff {argv[0]}: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: BaseException) -> str:
+    """Hydra and OmegaConf errors span lines of context; keep the ones that say what is wrong."""
+    text = f"{e}: {e.__cause__}" if e.__cause__ is not None and str(e.__cause__) not in str(e) else str(e)
+    noise = ("Config search path", "provider=", "reference_type", "object_type")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(noise)]
+    out = ""
+    for ln in lines:
+        out += ("" if not out else " " if out.endswith(":") else "; ") + ln
+    return out or type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Config schema: composition, type errors, semantic rules, CLI exit codes, no secrets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.config import GROUP_SCHEMAS, GROUPS, ConfigError, compose, group_dicts, group_from_dict
+from pipelines.cli import main
+from tests.conftest import S3_ACCESS_KEY, S3_SECRET_KEY
+
+
+def test_default_is_the_tiny_cpu_experiment():
+    cfg = compose()
+    assert cfg.model.name == "tiny" and cfg.cluster.scheduler.value == "local_cwd"
+    assert cfg.store.backend.value == "local" and cfg.data.paths == ["corpus/kjv.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "data.paths=[a.jsonl]",
+        "data.text_field=body",
+        "tokenizer.vocab_size=2048",
+        "model=125m",
+        "model=1b",
+        "model=7b",
+        "model=70b",
+        "train.precision=fp8",
+        "train.parallelism=fsdp",
+        "train.steps=100",
+        "train.lr=0.01",
+        "train.resume=never",
+        "cluster.scheduler=kubernetes",
+        "cluster.nodes=2",
+        "cluster.procs_per_node=1",
+        "store.backend=minio",
+        "experiment=tiny",
+    ],
+)
+def test_fixed_key_names_compose(override):
+    compose([override])
+
+
+def test_groups_roundtrip_through_plain_dicts():
+    cfg = compose(["train.precision=fp8", "model=1b"])
+    dicts = group_dicts(cfg)
+    assert set(dicts) == set(GROUPS)
+    json.dumps(dicts)  # plain JSON: what KFP parameters carry
+    train = group_from_dict(GROUP_SCHEMAS["train"], dicts["train"])
+    assert train.precision.value == "fp8" and train.steps == cfg.train.steps
+    assert len(json.dumps(dicts)) < 10_000  # KFP's limit on serialized run parameters
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("model.num_heads=3", "model.hidden_size"),
+        ("model.num_kv_heads=3", "model.num_kv_heads"),
+        ("data.seq_len=1", "data.seq_len"),
+        ("data.seq_len=4096", "data.seq_len"),
+        ("train.warmup_steps=1000", "train.warmup_steps"),
+        ("cluster.nodes=0", "cluster.nodes"),
+        ("cluster.procs_per_node=0", "cluster.procs_per_node"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+        ("train.min_lr=1.0", "train.min_lr"),
+        ("preflight.min_healthy_nodes=3", "preflight.min_healthy_nodes"),
+        ("preflight.memory_safety=0", "preflight.memory_safety"),
+        ("tokenizer.vocab_size=100", "tokenizer.vocab_size"),
+        ("data.paths=[]", "data.paths"),
+    ],
+)
+def test_semantic_rules_name_the_key(override, key, capsys):
+    with pytest.raises(ConfigError, match=key):
+        compose([override])
+    assert main(["config", override]) == 2
+    err = capsys.readouterr().err
+    assert key in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.no_such_key=1", "no_such_key"),
+        ("train.steps=many", "train.steps"),
+        ("train.precision=fp4", "fp4"),
+        ("model=13b", "model/13b"),
+        ("cluster.scheduler=slurm", "slurm"),
+    ],
+)
+def test_unknown_keys_and_wrong_types_fail(override, needle, capsys):
+    assert main(["config", override]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_config_prints_composed_yaml(capsys):
+    assert main(["config", "train.lr=0.01"]) == 0
+    assert "lr: 0.01" in capsys.readouterr().out
+
+
+def test_unknown_command_is_one_line(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_no_credential_in_printed_config_or_logs(s3_env, tmp_path, capsys, caplog):
+    caplog.set_level("DEBUG")
+    assert main(["config", "store=minio"]) == 0
+    store_args = ["store=minio", "store.bucket=sentinel-test", f"store.cache_dir={tmp_path}"]
+    assert main(["artifacts", "ls", *store_args]) == 0
+    assert main(["artifacts", "show", "dataset/none", *store_args]) == 2
+    out = capsys.readouterr()
+    everything = out.out + out.err + caplog.text
+    assert S3_SECRET_KEY not in everything and S3_ACCESS_KEY not in everything
+    assert "dataset/none" in out.err
