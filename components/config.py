@@ -7,6 +7,7 @@ types cannot express and names the offending key.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -288,10 +289,28 @@ T = TypeVar("T")
 
 
 def group_from_dict(schema: type[T], values: dict[str, Any]) -> T:
-    """Rebuild one typed group from the plain dict a KFP component receives."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+    """Rebuild one typed group from the plain dict a KFP component receives.
+
+    KFP carries dict parameters as protobuf Structs, where every number is a float:
+    integral floats go back to int for the schema's int fields.
+    """
+    hints = typing.get_type_hints(schema)
+    fixed = {}
+    for key, value in values.items():
+        hint = hints.get(key)
+        wants_int = hint is int or (typing.get_origin(hint) is typing.Union and int in typing.get_args(hint))
+        fixed[key] = int(value) if wants_int and isinstance(value, float) and value.is_integer() else value
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), fixed))
 
 
 def group_dicts(cfg: DictConfig) -> dict[str, dict[str, Any]]:
-    """The composed config as one plain dict per group: the pipeline's parameters."""
-    return {g: OmegaConf.to_container(cfg[g], resolve=True, enum_to_str=True) for g in GROUPS}
+    """The composed config as one plain dict per group: the pipeline's parameters.
+
+    KFP parameters cannot hold None, so unset optional keys are left out;
+    `group_from_dict` restores them from the schema, where every Optional defaults to None.
+    """
+    return {g: _drop_none(OmegaConf.to_container(cfg[g], resolve=True, enum_to_str=True)) for g in GROUPS}
+
+
+def _drop_none(d: dict) -> dict:
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}

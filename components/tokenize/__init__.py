@@ -1,0 +1,1 @@
+"""The tokenize stage: text documents -> packed token blocks in memory-mapped Arrow."""

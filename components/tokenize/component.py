@@ -1,0 +1,37 @@
+"""KFP component `tokenize`: config groups in, a dataset version out."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Output
+
+from components import STAGE_IMAGE
+
+
+@dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
+def tokenize(data: dict, tokenizer: dict, model: dict, store: dict, dataset: Output[Dataset]) -> str:
+    """Tokenize and pack the corpus; returns the dataset reference `dataset/NAME@VERSION`.
+
+    The artifact holds a pointer (ref.json) to the version in liftoff's store rather
+    than a second copy of the blocks; downstream stages fetch it (cached, verified).
+    """
+    import json
+    import logging
+
+    from components.config import DataConfig, ModelConfig, StoreConfig, TokenizerConfig, group_from_dict
+    from components.store import open_store
+    from components.tokenize.stage import run_tokenize
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = run_tokenize(
+        group_from_dict(DataConfig, data),
+        group_from_dict(TokenizerConfig, tokenizer),
+        group_from_dict(ModelConfig, model),
+        open_store(group_from_dict(StoreConfig, store)),
+    )
+    ref = str(result.manifest.ref)
+    with open(dataset.path, "w") as f:
+        json.dump({"ref": ref, "stats": result.stats, "reused": result.reused}, f, indent=2)
+    dataset.metadata.update({"version": result.manifest.ref.version, "ref": ref, "reused": result.reused})
+    for split, s in result.stats["splits"].items():
+        dataset.metadata[f"{split}_blocks"] = s["blocks"]
+        dataset.metadata[f"{split}_tokens"] = s["tokens"]
+    return ref
