@@ -7,6 +7,8 @@ types cannot express and names the offending key.
 
 from __future__ import annotations
 
+import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -85,6 +87,19 @@ class ModelConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Test-only fault injection: each default leaves training untouched."""
+
+    nan_steps: list[int] = field(default_factory=list)  # steps whose forward pass turns non-finite
+    kill_rank: int = -1  # this rank SIGKILLs itself at kill_step, on the first attempt only
+    kill_step: int = -1
+    slow_rank: int = -1  # this rank sleeps slow_seconds every step
+    slow_seconds: float = 0.0
+    hang_rank: int = -1  # this rank stops making progress at hang_step
+    hang_step: int = -1
+
+
+@dataclass
 class TrainConfig:
     precision: Precision = Precision.fp32
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
@@ -106,6 +121,8 @@ class TrainConfig:
     checkpoint_keep: int = 2
     checkpoint_async: bool = False
     resume: str = "auto"  # auto | never | <checkpoint version>
+    run_dir: str = "runs"  # local checkpoints, logs and exports, one subdirectory per training identity
+    loss_scaling: bool = False  # dynamic loss scaling (GradScaler); for fp16-range gradients
     log_interval: int = 1
     max_bad_steps: int = 3  # consecutive non-finite steps before rolling back
     loss_spike_factor: float = 3.0
@@ -113,6 +130,7 @@ class TrainConfig:
     straggler_zscore: float = 5.0
     watchdog_timeout_s: float = 600.0
     peak_tflops: float | None = None  # device peak for MFU; None: preflight's measure
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
 
 @dataclass
@@ -289,18 +307,25 @@ T = TypeVar("T")
 
 
 def group_from_dict(schema: type[T], values: dict[str, Any]) -> T:
-    """Rebuild one typed group from the plain dict a KFP component receives.
+    """Rebuild one typed group from the plain dict a KFP component receives."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), _ints_back(schema, values)))
 
-    KFP carries dict parameters as protobuf Structs, where every number is a float:
-    integral floats go back to int for the schema's int fields.
-    """
+
+def _ints_back(schema: type, values: dict[str, Any]) -> dict[str, Any]:
+    """KFP carries dict parameters as protobuf Structs, where every number is a float:
+    turn integral floats back into ints wherever the schema wants an int."""
+
+    def fix(hint, value):
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            return _ints_back(hint, value)
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if origin is list and isinstance(value, list):
+            return [fix(args[0], v) for v in value]
+        wants_int = hint is int or (origin in (typing.Union, types.UnionType) and int in args)
+        return int(value) if wants_int and isinstance(value, float) and value.is_integer() else value
+
     hints = typing.get_type_hints(schema)
-    fixed = {}
-    for key, value in values.items():
-        hint = hints.get(key)
-        wants_int = hint is int or (typing.get_origin(hint) is typing.Union and int in typing.get_args(hint))
-        fixed[key] = int(value) if wants_int and isinstance(value, float) and value.is_integer() else value
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), fixed))
+    return {key: fix(hints.get(key), value) for key, value in values.items()}
 
 
 def group_dicts(cfg: DictConfig) -> dict[str, dict[str, Any]]:

@@ -115,3 +115,16 @@ def test_no_credential_in_printed_config_or_logs(s3_env, tmp_path, capsys, caplo
     everything = out.out + out.err + caplog.text
     assert S3_SECRET_KEY not in everything and S3_ACCESS_KEY not in everything
     assert "dataset/none" in out.err
+
+
+def test_groups_survive_kfp_struct_floats():
+    """KFP turns every number in a dict parameter into a float; the schema gets ints back."""
+    from components.config import TrainConfig
+
+    d = group_dicts(compose(["train.faults.nan_steps=[3,4]", "model=7b"]))
+    floated = json.loads(json.dumps(d), parse_int=float)
+    train = group_from_dict(TrainConfig, floated["train"])
+    assert train.steps == d["train"]["steps"] and isinstance(train.steps, int)
+    assert train.faults.nan_steps == [3, 4] and isinstance(train.faults.kill_rank, int)
+    model = group_from_dict(GROUP_SCHEMAS["model"], floated["model"])
+    assert model.vocab_size == 32000 and isinstance(model.vocab_size, int)

@@ -1,0 +1,1 @@
+"""The train stage: TorchX-launched pretraining, one capability per module."""

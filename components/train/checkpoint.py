@@ -1,0 +1,247 @@
+"""Atomic, verifiable, resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+A checkpoint is written to `step-N.tmp/`: DCP shards of model and optimizer, one
+`rank{r}.pt` per rank (RNG states, tensors only), `meta.json` (step, data position, loss,
+identity, model shape), then `checkpoint.json` with the sha256 of every file; the files are
+fsynced and the directory renamed to `step-N/`. Only a renamed directory whose
+checkpoint.json verifies is ever resumed from. Loading unpickles nothing but an allowlist.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from components.store import sha256_file
+
+log = logging.getLogger(__name__)
+INDEX = "checkpoint.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_index(ckpt: Path, meta: dict) -> None:
+    files = {}
+    for p in sorted(ckpt.rglob("*")):
+        if p.is_file() and p.name != INDEX:
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+            files[p.relative_to(ckpt).as_posix()] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+    index = ckpt / INDEX
+    with open(index, "w") as f:
+        json.dump({"files": files, "meta": meta}, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(ckpt)
+
+
+def verify(ckpt: Path) -> dict:
+    """The checkpoint's meta when every file matches its recorded sha256 and size."""
+    index = ckpt / INDEX
+    if not index.is_file():
+        raise CheckpointError(f"{ckpt}: no {INDEX} (incomplete save)")
+    try:
+        recorded = json.loads(index.read_text())
+        files, meta = recorded["files"], recorded["meta"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{index}: unreadable ({e})") from None
+    for rel, entry in files.items():
+        p = ckpt / rel
+        if not p.is_file():
+            raise CheckpointError(f"{p}: missing")
+        if p.stat().st_size != entry["size"]:
+            raise CheckpointError(f"{p}: size {p.stat().st_size} != recorded {entry['size']} (truncated?)")
+        if sha256_file(p) != entry["sha256"]:
+            raise CheckpointError(f"{p}: sha256 mismatch")
+    return meta
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.split("-", 1)[1])
+
+
+def local_checkpoints(root: Path) -> list[Path]:
+    """Finished (renamed) checkpoint dirs, newest first."""
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()]
+    return sorted(done, key=step_of, reverse=True)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: allow only the classes DCP metadata is made of."""
+
+    ALLOWED_MODULES = (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed.checkpoint.planner",
+        "torch.distributed.checkpoint._extension",
+    )
+    ALLOWED = {
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("pathlib", "PosixPath"),
+    }
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in self.ALLOWED_MODULES or (module, name) in self.ALLOWED or dtype:
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to load checkpoint metadata: it references {module}.{name}")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        return _finish_metadata(metadata, self)
+
+
+def _finish_metadata(metadata, reader):
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id
+    return metadata
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        async_save: bool,
+        rank: int,
+        on_finished: Callable[[Path, dict], None] | None = None,
+    ):
+        self.root, self.keep, self.async_save, self.rank = root, keep, async_save, rank
+        self.on_finished = on_finished
+        self._pending: tuple | None = None  # (future, tmp dir, step, meta) of an async save
+        self._pg = dist.new_group(backend="gloo")  # saves run collectives off the training stream
+        root.mkdir(parents=True, exist_ok=True)
+
+    def save(self, step: int, model, optimizer, meta: dict, rank_state: dict) -> None:
+        self.finish_pending()
+        tmp = self.root / f"step-{step}.tmp"
+        if self.rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)  # left by a process killed mid-save; never resumed from
+        dist.barrier(group=self._pg)
+        tmp.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        torch.save(rank_state, tmp / f"rank{self.rank}.pt")
+        writer = FileSystemWriter(str(tmp), sync_files=True)
+        if self.async_save:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
+            self._pending = (future, tmp, step, meta)
+        else:
+            dcp.save(state, storage_writer=writer, process_group=self._pg)
+            self._finalize(tmp, step, meta)
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def pending_done(self) -> bool:
+        return self._pending is None or self._pending[0].done()
+
+    def finish_pending(self) -> None:
+        if self._pending is not None:
+            future, tmp, step, meta = self._pending
+            future.result()
+            self._pending = None
+            self._finalize(tmp, step, meta)
+
+    def _finalize(self, tmp: Path, step: int, meta: dict) -> None:
+        dist.barrier(group=self._pg)
+        if self.rank == 0:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+            write_index(tmp, meta)
+            final = self.root / f"step-{step}"
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            log.info("checkpoint step-%d saved to %s", step, final)
+            for old in local_checkpoints(self.root)[self.keep :]:
+                shutil.rmtree(old, ignore_errors=True)
+            if self.on_finished:
+                self.on_finished(final, meta)
+        dist.barrier(group=self._pg)
+
+
+def load(ckpt: Path, model, optimizer, rank: int) -> dict:
+    """Load a verified checkpoint into model and optimizer; returns its meta and this rank's state."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = json.loads((ckpt / "meta.json").read_text())
+    rank_file = ckpt / f"rank{rank}.pt"
+    rank_state = torch.load(rank_file, weights_only=True) if rank_file.is_file() else {}
+    return {"meta": meta, "rank_state": rank_state}
+
+
+class BackgroundPublisher:
+    """Publishes finished checkpoints to the store off the training thread, in order."""
+
+    def __init__(self, publish: Callable[[Path, dict], None]):
+        self._publish = publish
+        self._threads: list[threading.Thread] = []
+        self.errors: list[str] = []
+
+    def __call__(self, path: Path, meta: dict) -> None:
+        copy = path.with_name(path.name + ".publishing")
+        shutil.copytree(path, copy, dirs_exist_ok=True)  # pruning may delete `path` meanwhile
+
+        def run() -> None:
+            try:
+                self._publish(copy, meta)
+            except Exception as e:  # reported at the end of training, never kills it
+                self.errors.append(f"{path.name}: {e}")
+                log.warning("publishing checkpoint %s failed: %s", path.name, e)
+            finally:
+                shutil.rmtree(copy, ignore_errors=True)
+
+        previous = self._threads[-1] if self._threads else None
+
+        def ordered() -> None:
+            if previous is not None:
+                previous.join()
+            run()
+
+        t = threading.Thread(target=ordered, name=f"publish-{path.name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join()

@@ -1,0 +1,46 @@
+"""KFP component `train`: a dataset version and config groups in; model, metrics and curves out."""
+
+from kfp import dsl
+from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
+
+from components import STAGE_IMAGE
+
+
+@dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
+def train(
+    dataset: Input[Dataset],
+    model: dict,
+    train: dict,
+    cluster: dict,
+    store: dict,
+    trained_model: Output[Model],
+    metrics: Output[Metrics],
+    curves: Output[HTML],
+) -> str:
+    """Launch training with TorchX; returns the model reference `model/NAME@IDENTITY`."""
+    import json
+    import logging
+    from pathlib import Path
+
+    from components.config import ClusterConfig, ModelConfig, StoreConfig, TrainConfig, group_from_dict
+    from components.store import open_store
+    from components.train.report import curves_html, final_metrics
+    from components.train.stage import run_train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store_cfg = group_from_dict(StoreConfig, store)
+    result = run_train(
+        json.loads(Path(dataset.path).read_text())["ref"],
+        group_from_dict(ModelConfig, model),
+        group_from_dict(TrainConfig, train),
+        group_from_dict(ClusterConfig, cluster),
+        store_cfg,
+        open_store(store_cfg),
+    )
+    ref = str(result.model.ref)
+    Path(trained_model.path).write_text(json.dumps({"ref": ref, **result.result}, indent=2))
+    trained_model.metadata.update({"ref": ref, "identity": result.identity, "checkpoint": result.checkpoint_version})
+    for name, value in final_metrics(result.run_dir / "metrics.jsonl").items():
+        metrics.log_metric(name, value)
+    Path(curves.path).write_text(curves_html(result.run_dir / "metrics.jsonl"))
+    return ref

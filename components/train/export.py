@@ -1,0 +1,31 @@
+"""Final export: Hugging Face format (safetensors + config + tokenizer)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from components.config import ModelConfig
+from components.train.model import llama_config
+
+
+def export_hf(
+    model: torch.nn.Module, cfg: ModelConfig, vocab_size: int, tokenizer_dir: Path, out: Path, rank: int
+) -> None:
+    """Gather the full weights (a collective: every rank calls it) and save them on rank 0
+    as a plain `LlamaForCausalLM` that `AutoModelForCausalLM.from_pretrained` loads."""
+    from transformers import LlamaForCausalLM
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    with torch.device("meta"):
+        plain = LlamaForCausalLM(llama_config(cfg, vocab_size))
+    plain.load_state_dict({k: v.to(torch.float32) for k, v in full.items()}, strict=True, assign=True)
+    if out.exists():
+        shutil.rmtree(out)
+    plain.save_pretrained(str(out), safe_serialization=True)
+    shutil.copytree(tokenizer_dir, out, dirs_exist_ok=True)

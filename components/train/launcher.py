@@ -1,0 +1,138 @@
+"""TorchX launch: `dist.ddp` (torchrun) with -j NODESxPROCS on local_cwd or kubernetes (Volcano)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+
+from components.config import ClusterConfig, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def encode_spec(spec: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(spec).encode()).decode()
+
+
+def threads_per_process(cluster: ClusterConfig) -> int:
+    """Cores / processes on one host: locally every "node" shares this machine."""
+    if cluster.scheduler == Scheduler.local_cwd:
+        return max(1, (os.cpu_count() or 1) // (cluster.nodes * cluster.procs_per_node))
+    return max(1, cluster.cpu // cluster.procs_per_node)
+
+
+def build_app(module: str, spec: dict, cluster: ClusterConfig, name: str, env: dict[str, str]):
+    from torchx.components import dist
+
+    port = cluster.rdzv_port or free_port()
+    app = dist.ddp(
+        "--spec-b64",
+        encode_spec(spec),
+        m=module,
+        name=name,
+        image=cluster.image,
+        j=f"{cluster.nodes}x{cluster.procs_per_node}",
+        cpu=cluster.cpu,
+        gpu=cluster.gpu,
+        memMB=cluster.mem_mb,
+        rdzv_port=port,
+        env={"OMP_NUM_THREADS": str(threads_per_process(cluster)), "LOGLEVEL": "WARNING", **env},
+    )
+    role = app.roles[0]
+    # dist.ddp has no torchrun --max_restarts; the elastic agent restarts every worker of the
+    # job on a failure, which is what makes a killed rank resume from the last checkpoint.
+    role.args = [a.replace("torchrun ", f"torchrun --max_restarts {cluster.max_restarts} ", 1) for a in role.args]
+    if cluster.scheduler == Scheduler.local_cwd:
+        role.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    if cluster.node_selector and cluster.scheduler == Scheduler.kubernetes:
+        role.metadata = {"kubernetes": {"node_selector": dict(cluster.node_selector)}}
+    return app
+
+
+def scheduler_cfg(cluster: ClusterConfig, log_dir: Path) -> dict:
+    if cluster.scheduler == Scheduler.local_cwd:
+        return {"log_dir": str(log_dir)}
+    cfg = {"queue": cluster.queue, "namespace": cluster.namespace}
+    if cluster.service_account:
+        cfg["service_account"] = cluster.service_account
+    return cfg
+
+
+def run_app(
+    module: str,
+    spec: dict,
+    cluster: ClusterConfig,
+    name: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    tail_lines: int = 40,
+) -> None:
+    """Launch, stream every replica's log lines, wait; raise LaunchError with the failing
+    replica's last lines when the job does not succeed."""
+    from torchx.runner import get_runner
+    from torchx.specs import AppState
+
+    app = build_app(module, spec, cluster, name, env or {})
+    role = app.roles[0]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runner = get_runner()
+    handle = runner.run(app, scheduler=cluster.scheduler.value, cfg=scheduler_cfg(cluster, log_dir))
+    log.info("launched %s on %s: %s", name, cluster.scheduler.value, handle)
+    tails = {k: deque(maxlen=tail_lines) for k in range(cluster.nodes)}
+
+    def stream(k: int) -> None:
+        try:
+            for line in runner.log_lines(handle, role.name, k, should_tail=True):
+                line = line.rstrip("\n")
+                tails[k].append(line)
+                print(f"[{name}/{k}] {line}", flush=True)
+        except Exception as e:  # log streaming must never hide the job's own outcome
+            tails[k].append(f"(log stream ended: {e})")
+
+    streams = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(cluster.nodes)]
+    for t in streams:
+        t.start()
+    status = runner.wait(handle, wait_interval=1)
+    for t in streams:
+        t.join(timeout=10)
+    runner.close()
+    if status is None or status.state != AppState.SUCCEEDED:
+        state = status.state.name if status else "UNKNOWN"
+        failing = _failing_replica(status)
+        lines = "\n".join(
+            tails.get(failing, [])
+            if failing is not None
+            else [ln for k in sorted(tails) for ln in tails[k]][-tail_lines:]
+        )
+        raise LaunchError(
+            f"{name} ended {state}"
+            + (f"; replica {failing} failed" if failing is not None else "")
+            + f"; last log lines:\n{lines}"
+        )
+
+
+def _failing_replica(status) -> int | None:
+    if status is None:
+        return None
+    for role in status.roles:
+        for replica in role.replicas:
+            if replica.state.name == "FAILED":
+                return replica.id
+    return None

@@ -1,0 +1,44 @@
+"""Finding where a non-finite value starts: replay a micro-batch with forward hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _nonfinite(output) -> bool:
+    tensors = output if isinstance(output, (tuple, list)) else [getattr(output, "logits", output)]
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all() for t in tensors)
+
+
+def first_nonfinite_module(model: torch.nn.Module, forward: Callable[[], object]) -> str | None:
+    """Run `forward` without grad; return the first module (in execution order) whose output
+    is not finite. Forward hooks fire when a module finishes, so a child reports before its
+    parent and the earliest culprit is the one named."""
+    found: list[str] = []
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def hook(mod, args, output, name=name):
+            if not found and _nonfinite(output):
+                found.append(clean_name(name))
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None

@@ -1,0 +1,64 @@
+"""AdamW, linear warmup then cosine decay to min_lr, and the clipped optimizer step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from components.config import TrainConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not norms or biases); states in fp32."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_and_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    scaler: torch.amp.GradScaler | None,
+) -> tuple[float, bool]:
+    """Unscale (if scaling), clip the global grad norm, step if every gradient is finite.
+
+    Returns (grad norm of the unscaled gradients, whether the optimizer stepped).
+    With a scaler, a non-finite step backs the scale off instead of stepping.
+    """
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    finite = bool(torch.isfinite(norm))
+    if scaler is not None:
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)  # skipped inside when it found inf/nan
+        scaler.update()
+        stepped = finite and scaler.get_scale() >= scale_before
+    elif finite:
+        optimizer.step()
+        stepped = True
+    else:
+        stepped = False
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm), stepped

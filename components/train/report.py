@@ -1,0 +1,77 @@
+"""Training curves and summary numbers from metrics.jsonl, for the Kubeflow UI."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import statistics
+from pathlib import Path
+
+
+def read_records(path: Path) -> tuple[list[dict], list[dict]]:
+    steps, events = [], []
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        (steps if rec.get("kind") == "step" else events).append(rec)
+    return steps, events
+
+
+def final_metrics(path: Path) -> dict[str, float]:
+    steps, events = read_records(path)
+    last = steps[-1]
+    tail = steps[len(steps) // 2 :]
+    out = {
+        "final_loss": last["loss"],
+        "initial_loss": steps[0]["loss"],
+        "steps": last["step"],
+        "skipped_steps": last["skipped_steps"],
+        "tokens_per_s": statistics.median(s["tokens_per_s"] for s in tail),
+        "peak_memory_gb": max(s["peak_memory_bytes"] for s in steps) / 1e9,
+        "loss_spikes": sum(e["kind"] == "loss_spike" for e in events),
+        "stragglers_reported": sum(e["kind"] == "straggler" for e in events),
+    }
+    mfus = [s["mfu"] for s in tail if s.get("mfu") is not None]
+    if mfus:
+        out["mfu"] = statistics.median(mfus)
+    return out
+
+
+def curve_png(steps: list[dict], key: str, ylabel: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([s["step"] for s in steps], [s[key] for s in steps])
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def curves_html(path: Path) -> str:
+    steps, events = read_records(path)
+    imgs = "".join(
+        f'<figure><img alt="{key}" src="data:image/png;base64,{curve_png(steps, key, label)}"/>'
+        f"<figcaption>{label}</figcaption></figure>"
+        for key, label in [
+            ("loss", "loss"),
+            ("lr", "learning rate"),
+            ("grad_norm", "grad norm"),
+            ("tokens_per_s", "tokens/s"),
+        ]
+    )
+    rows = "".join(
+        f"<tr><td>{e['kind']}</td><td>{json.dumps({k: v for k, v in e.items() if k != 'kind'})}</td></tr>"
+        for e in events
+    )
+    return (
+        f"<html><body><h2>Training curves</h2>{imgs}<h3>Events</h3>"
+        f"<table border=1><tr><th>event</th><th>details</th></tr>{rows}</table></body></html>"
+    )
