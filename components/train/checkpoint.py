@@ -105,7 +105,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("torch", "Size"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
-        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch.serialization", "_get_layout"),
         ("pathlib", "PosixPath"),
     }
 

@@ -42,7 +42,7 @@ def build_app(module: str, spec: dict, cluster: ClusterConfig, name: str, env: d
     from torchx.components import dist
 
     port = cluster.rdzv_port or free_port()
-    app = dist.ddp(
+    app = dist.torchrun(
         "--spec-b64",
         encode_spec(spec),
         m=module,
@@ -56,9 +56,6 @@ def build_app(module: str, spec: dict, cluster: ClusterConfig, name: str, env: d
         env={"OMP_NUM_THREADS": str(threads_per_process(cluster)), "LOGLEVEL": "WARNING", **env},
     )
     role = app.roles[0]
-    # dist.ddp has no torchrun --max_restarts; the elastic agent restarts every worker of the
-    # job on a failure, which is what makes a killed rank resume from the last checkpoint.
-    role.args = [a.replace("torchrun ", f"torchrun --max_restarts {cluster.max_restarts} ", 1) for a in role.args]
     if cluster.scheduler == Scheduler.local_cwd:
         role.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     if cluster.node_selector and cluster.scheduler == Scheduler.kubernetes:
@@ -75,21 +72,33 @@ def scheduler_cfg(cluster: ClusterConfig, log_dir: Path) -> dict:
     return cfg
 
 
-def run_app(
-    module: str,
-    spec: dict,
-    cluster: ClusterConfig,
-    name: str,
-    log_dir: Path,
-    env: dict[str, str] | None = None,
-    tail_lines: int = 40,
-) -> None:
+def run_app(module: str, spec: dict, cluster: ClusterConfig, name: str, log_dir: Path,
+            env: dict[str, str] | None = None) -> None:
+    """Run the job, relaunching it up to `cluster.max_restarts` times after a failure.
+
+    Restarts are whole-job relaunches (a fresh rendezvous) rather than torchrun's
+    --max_restarts: with several elastic agents, one failure can restart each agent a
+    different number of times, and their workers then look for each other under different
+    store prefixes and never connect. The workers resume from the newest valid checkpoint.
+    """
+    for attempt in range(cluster.max_restarts + 1):
+        try:
+            return run_once(module, spec, cluster, name, log_dir, {**(env or {}), "LIFTOFF_ATTEMPT": str(attempt)})
+        except LaunchError as e:
+            if attempt == cluster.max_restarts:
+                raise
+            log.warning("%s failed (attempt %d of %d); relaunching: %s", name, attempt + 1,
+                        cluster.max_restarts + 1, str(e).splitlines()[0])
+
+
+def run_once(module: str, spec: dict, cluster: ClusterConfig, name: str, log_dir: Path, env: dict[str, str],
+             tail_lines: int = 40) -> None:
     """Launch, stream every replica's log lines, wait; raise LaunchError with the failing
     replica's last lines when the job does not succeed."""
     from torchx.runner import get_runner
     from torchx.specs import AppState
 
-    app = build_app(module, spec, cluster, name, env or {})
+    app = build_app(module, spec, cluster, name, env)
     role = app.roles[0]
     log_dir.mkdir(parents=True, exist_ok=True)
     runner = get_runner()

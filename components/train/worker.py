@@ -60,7 +60,7 @@ def fault_tick(faults, rank: int, step: int) -> None:
         log.warning("fault injection: rank %d hangs at step %d", rank, step)
         while True:
             time.sleep(3600)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    first_attempt = os.environ.get("LIFTOFF_ATTEMPT", "0") == "0"
     if rank == faults.kill_rank and step == faults.kill_step and first_attempt:
         log.warning("fault injection: rank %d SIGKILLs itself at step %d", rank, step)
         os.kill(os.getpid(), signal.SIGKILL)

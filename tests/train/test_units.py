@@ -1,0 +1,121 @@
+"""Unit tests of the training pieces: schedule, clipping, MFU, non-finite handling, sampler."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from components.config import ModelConfig, TrainConfig
+from components.robust import leave_one_out_z
+from components.train.data import BlockSampler, DataFitError
+from components.train.model import flops_per_token
+from components.train.monitor import mfu
+from components.train.nonfinite import first_nonfinite_module
+from components.train.optim import clip_and_step, lr_at
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, steps=110)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, cfg) == pytest.approx(0.1) and lr_at(500, cfg) == pytest.approx(0.1)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 110))
+
+
+def _model_with_grads(scale: float) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    (m(torch.ones(2, 4)).sum() * scale).backward()
+    return m
+
+
+def test_clip_applies_to_unscaled_gradients():
+    reference = _model_with_grads(1.0)
+    true_norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+    scaled = _model_with_grads(1024.0)  # as GradScaler(init_scale=1024) leaves them
+    opt = torch.optim.SGD(scaled.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    norm, stepped = clip_and_step(scaled, opt, max_norm=true_norm / 2, scaler=scaler)
+    assert stepped and norm == pytest.approx(true_norm, rel=1e-5)  # measured after unscale_, not 1024x
+
+
+def test_clip_bounds_the_update():
+    m = _model_with_grads(1.0)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    norm, stepped = clip_and_step(m, opt, max_norm=0.5, scaler=None)
+    delta = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(m.parameters(), before)))
+    assert stepped and norm > 0.5 and float(delta) == pytest.approx(0.5, rel=1e-4)
+
+
+def test_nonfinite_step_is_skipped_and_weights_kept():
+    m = _model_with_grads(1.0)
+    next(m.parameters()).grad[0, 0] = float("nan")
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = torch.optim.AdamW(m.parameters(), lr=1.0)
+    _, stepped = clip_and_step(m, opt, max_norm=1.0, scaler=None)
+    assert not stepped
+    assert all(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+    assert all(p.grad is None for p in m.parameters())
+    assert not opt.state  # AdamW moments untouched by the bad step
+
+
+def test_nonfinite_step_backs_off_the_loss_scale():
+    m = _model_with_grads(1.0)
+    next(m.parameters()).grad[0, 0] = float("inf")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    _, stepped = clip_and_step(m, torch.optim.SGD(m.parameters(), lr=1.0), max_norm=1.0, scaler=scaler)
+    assert not stepped and scaler.get_scale() == 512.0
+
+
+def test_first_nonfinite_module_is_named():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    assert first_nonfinite_module(model, lambda: model(torch.ones(1, 4))) == "2"
+    with torch.no_grad():
+        model[2].weight[0, 0] = 0.0
+    assert first_nonfinite_module(model, lambda: model(torch.ones(1, 4))) is None
+
+
+def test_flops_per_token_and_mfu_arithmetic():
+    cfg = ModelConfig(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_hidden_size=11008)
+    n = 6_476_000_000
+    f = flops_per_token(cfg, n, seq_len=2048)
+    assert f == 6 * n + 12 * 32 * 32 * 128 * 2048
+    # 1000 tokens/s on 2 devices of 100 TFLOP/s peak
+    assert mfu(1000.0, f, 100.0, 2) == pytest.approx(1000.0 * f / 200e12)
+    assert mfu(1000.0, f, None, 2) is None
+
+
+def test_leave_one_out_z_flags_one_slow_rank_of_two():
+    z = leave_one_out_z([0.10, 0.50])
+    assert z[1] > 5 and z[0] < 0
+    assert max(leave_one_out_z([0.100, 0.101, 0.099, 0.100])) < 5
+
+
+class FakeBlocks(list):
+    pass
+
+
+def test_sampler_is_deterministic_sharded_and_resumable():
+    blocks = FakeBlocks(np.arange(100).reshape(100, 1))
+    a0 = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=0, seed=7)
+    a1 = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=1, seed=7)
+    seen = [i for p in range(12) for i in a0.indices(p) + a1.indices(p)]
+    assert len(seen) == 96 and len(set(seen)) == 96  # one epoch, no block twice, ranks disjoint
+    resumed = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=0, seed=7)
+    assert resumed.indices(5) == a0.indices(5) and resumed.indices(30) == a0.indices(30)
+    other_seed = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=0, seed=8)
+    assert other_seed.indices(0) != a0.indices(0)
+
+
+def test_sampler_refuses_data_smaller_than_one_step():
+    with pytest.raises(DataFitError, match="= 64 blocks per step, but the train split has only 10"):
+        BlockSampler(FakeBlocks(np.zeros((10, 3))), micro_batch=8, grad_accum=2, world=4, rank=0, seed=0)
