@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import uuid
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from components.config import StoreBackend, StoreConfig
+from components.config import StoreBackend, StoreConfig, compose
 from components.store import open_store
+from components.tokenize.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "corpus" / "kjv.jsonl"
@@ -69,3 +72,41 @@ def store_cfg(request, tmp_path) -> StoreConfig:
 @pytest.fixture
 def store(store_cfg):
     return open_store(store_cfg)
+
+
+@pytest.fixture(scope="session")
+def dataset_store(tmp_path_factory) -> Path:
+    """A store holding the tokenized shipped corpus; tests copy it so runs never share checkpoints."""
+    root = tmp_path_factory.mktemp("dataset-store")
+    cfg = OmegaConf.to_object(compose([f"data.paths=[{CORPUS}]"]))
+    run_tokenize(
+        cfg.data,
+        cfg.tokenizer,
+        cfg.model,
+        open_store(StoreConfig(root=str(root / "store"), cache_dir=str(root / "cache"))),
+    )
+    return root
+
+
+class Trainer:
+    def __init__(self, dataset_store: Path, tmp: Path):
+        self.tmp = tmp
+        shutil.copytree(dataset_store / "store", tmp / "store")
+        self.store_cfg = StoreConfig(root=str(tmp / "store"), cache_dir=str(tmp / "cache"))
+        self.store = open_store(self.store_cfg)
+        self.dataset = str(next(iter(self.store.ls("dataset"))).ref)
+
+    def config(self, *overrides: str):
+        base = [f"data.paths=[{CORPUS}]", f"train.run_dir={self.tmp / 'runs'}", "train.log_interval=1"]
+        return OmegaConf.to_object(compose([*base, *overrides]))
+
+    def run(self, *overrides: str):
+        from components.train.stage import run_train
+
+        cfg = self.config(*overrides)
+        return run_train(self.dataset, cfg.model, cfg.train, cfg.cluster, self.store_cfg, self.store)
+
+
+@pytest.fixture
+def trainer(dataset_store, tmp_path) -> Trainer:
+    return Trainer(dataset_store, tmp_path)

@@ -51,6 +51,11 @@ class TokenBlocks:
         split_dir = Path(path) / split
         if not split_dir.is_dir():
             raise FileNotFoundError(f"no split {split!r} in dataset {path} (has {sorted(_splits(Path(path)))})")
+        if not json.loads((split_dir / "state.json").read_text()).get("_data_files"):
+            # datasets writes an empty split as zero shards, which load_from_disk cannot open
+            self.block_len, self._chunks, self._starts, self._n = 0, [], [0], 0
+            self.dtype = np.dtype(np.uint16)
+            return
         ds = datasets.load_from_disk(str(split_dir))
         col = ds.data.table.column(COLUMN)
         self.block_len = col.type.list_size

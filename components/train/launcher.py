@@ -72,8 +72,9 @@ def scheduler_cfg(cluster: ClusterConfig, log_dir: Path) -> dict:
     return cfg
 
 
-def run_app(module: str, spec: dict, cluster: ClusterConfig, name: str, log_dir: Path,
-            env: dict[str, str] | None = None) -> None:
+def run_app(
+    module: str, spec: dict, cluster: ClusterConfig, name: str, log_dir: Path, env: dict[str, str] | None = None
+) -> None:
     """Run the job, relaunching it up to `cluster.max_restarts` times after a failure.
 
     Restarts are whole-job relaunches (a fresh rendezvous) rather than torchrun's
@@ -87,12 +88,18 @@ def run_app(module: str, spec: dict, cluster: ClusterConfig, name: str, log_dir:
         except LaunchError as e:
             if attempt == cluster.max_restarts:
                 raise
-            log.warning("%s failed (attempt %d of %d); relaunching: %s", name, attempt + 1,
-                        cluster.max_restarts + 1, str(e).splitlines()[0])
+            log.warning(
+                "%s failed (attempt %d of %d); relaunching: %s",
+                name,
+                attempt + 1,
+                cluster.max_restarts + 1,
+                str(e).splitlines()[0],
+            )
 
 
-def run_once(module: str, spec: dict, cluster: ClusterConfig, name: str, log_dir: Path, env: dict[str, str],
-             tail_lines: int = 40) -> None:
+def run_once(
+    module: str, spec: dict, cluster: ClusterConfig, name: str, log_dir: Path, env: dict[str, str], tail_lines: int = 40
+) -> None:
     """Launch, stream every replica's log lines, wait; raise LaunchError with the failing
     replica's last lines when the job does not succeed."""
     from torchx.runner import get_runner

@@ -55,7 +55,10 @@ class Monitor:
         dist.all_gather_object(self.hosts, socket.gethostname())
 
     def log_step(self, record: dict) -> None:
-        self.step_times.append(record["compute_s"])
+        # Forward time is this rank's own: under DDP no collective runs in forward, whereas
+        # backward and the optimizer include waiting for the slowest rank, which would make
+        # every fast rank look slow.
+        self.step_times.append(record["forward_s"])
         if record.get("loss") is not None and record["stepped"]:
             if len(self.losses) >= 10 and record["loss"] > self.spike_factor * statistics.median(self.losses):
                 self.event(
@@ -79,7 +82,7 @@ class Monitor:
             self._jsonl.write(json.dumps({"kind": kind, **fields}) + "\n")
 
     def check_stragglers(self, step: int) -> list[int]:
-        """Gather each rank's mean step time since the last check; report the slow outliers."""
+        """Gather each rank's mean forward time since the last check; report the slow outliers."""
         mine = torch.tensor([statistics.fmean(self.step_times) if self.step_times else 0.0], dtype=torch.float64)
         self.step_times.clear()
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
@@ -92,7 +95,7 @@ class Monitor:
                 step=step,
                 rank=r,
                 host=self.hosts[r],
-                step_time_s=times[r],
+                forward_s=times[r],
                 median_others_s=statistics.median(times[:r] + times[r + 1 :]),
             )
         return slow

@@ -35,7 +35,11 @@ def wrap(model: torch.nn.Module, parallelism: Parallelism, device: torch.device)
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # Buffers (rotary frequencies) are identical constants on every rank: broadcasting them
+    # each forward would add a collective to the forward pass.
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+    )
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -134,6 +135,7 @@ def run_train(
     log.info("training identity %s: run directory %s", identity, run_dir)
     run_app("components.train.worker", spec, cluster, f"train-{identity[:8]}", run_dir / "logs")
     result = json.loads((run_dir / "result.json").read_text())
+    shutil.copyfile(run_dir / "metrics.jsonl", Path(result["export_dir"]) / "training_metrics.jsonl")
     ckpt_ref = f"checkpoint/{model.name}@{result['checkpoint_version']}"
     manifest = store.publish(
         "model",

@@ -51,11 +51,11 @@ def inject_faults(model: torch.nn.Module, faults, rank: int, state: dict) -> Non
             return output * float("nan") if state["step"] in faults.nan_steps else output
 
         model.get_input_embeddings().register_forward_hook(poison)
+    if rank == faults.slow_rank:  # a slow device: every forward pass takes longer
+        model.register_forward_pre_hook(lambda module, args: time.sleep(faults.slow_seconds))
 
 
 def fault_tick(faults, rank: int, step: int) -> None:
-    if rank == faults.slow_rank:
-        time.sleep(faults.slow_seconds)
     if rank == faults.hang_rank and step == faults.hang_step:
         log.warning("fault injection: rank %d hangs at step %d", rank, step)
         while True:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         watchdog.beat()
         fault_tick(tcfg.faults, rank, step)
         t0 = time.perf_counter()
-        data_s = fwd_bwd_s = 0.0
+        data_s = fwd_bwd_s = forward_s = 0.0
         loss_sum = torch.zeros((), dtype=torch.float64)
         batches = []
         for micro in range(tcfg.grad_accum_steps):
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             sync = micro == tcfg.grad_accum_steps - 1 or not hasattr(model, "no_sync")
             with model.no_sync() if not sync else contextlib.nullcontext():
                 loss = micro_loss(batch) / tcfg.grad_accum_steps
+                forward_s += time.perf_counter() - t_fb
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += loss.detach().double()
             fwd_bwd_s += time.perf_counter() - t_fb
@@ -199,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
                 skipped_total=skipped,
                 first_nonfinite_module=culprit,
             )
-        compute_s = data_s + fwd_bwd_s + opt_s
         step_s = time.perf_counter() - t0
         record = {
             "step": step,
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             "fwd_bwd_s": fwd_bwd_s,
             "optimizer_s": opt_s,
             "comm_s": comm_s,
-            "compute_s": compute_s,
+            "forward_s": forward_s,
             "peak_memory_bytes": peak_memory_bytes(device),
         }
         monitor.log_step(record)

@@ -1,0 +1,1 @@
+"""The evaluate stage: held-out perplexity, bits per byte, throughput, samples, reports."""

@@ -1,0 +1,24 @@
+"""KFP component `evaluate`: a validated model in; metrics and an HTML report out."""
+
+from kfp import dsl
+from kfp.dsl import HTML, Metrics, Output
+
+from components import STAGE_IMAGE
+
+
+@dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
+def evaluate(model_ref: str, eval: dict, store: dict, metrics: Output[Metrics], report: Output[HTML]) -> str:
+    """Returns the evaluation's reference in the store."""
+    import logging
+    from pathlib import Path
+
+    from components.config import EvalConfig, StoreConfig, group_from_dict
+    from components.evaluate.stage import run_evaluate
+    from components.store import open_store
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = run_evaluate(model_ref, group_from_dict(EvalConfig, eval), open_store(group_from_dict(StoreConfig, store)))
+    for name, value in result.metrics.items():
+        metrics.log_metric(name, float(value))
+    Path(report.path).write_text(result.html)
+    return str(result.manifest.ref)

@@ -1,0 +1,84 @@
+"""Held-out metrics: perplexity, bits per byte, a unigram baseline, throughput, samples."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+
+def token_byte_lengths(tokenizer, vocab_size: int) -> np.ndarray:
+    """UTF-8 bytes each token stands for (special tokens: 0), for bits per byte.
+
+    Byte-level BPE tokens are strings of one char per byte; other tokenizers are decoded.
+    """
+    from tokenizers import pre_tokenizers
+
+    byte_level = isinstance(tokenizer.backend_tokenizer.pre_tokenizer, pre_tokenizers.ByteLevel)
+    special = set(tokenizer.all_special_ids)
+    lengths = np.zeros(vocab_size, dtype=np.int64)
+    for i in range(min(vocab_size, len(tokenizer))):
+        if i in special:
+            continue
+        tok = tokenizer.convert_ids_to_tokens(i)
+        lengths[i] = len(tok) if byte_level else len(tokenizer.decode([i]).encode())
+    return lengths
+
+
+def val_blocks(blocks, n_blocks: int) -> int:
+    return len(blocks) if n_blocks == 0 else min(n_blocks, len(blocks))
+
+
+@torch.no_grad()
+def perplexity(model, blocks, n_blocks: int, batch_size: int, byte_lengths: np.ndarray) -> dict[str, float]:
+    """Mean loss, perplexity, bits per byte and inference tokens/s over the val blocks."""
+    n = val_blocks(blocks, n_blocks)
+    nats = 0.0
+    tokens = nbytes = 0
+    elapsed = 0.0
+    for start in range(0, n, batch_size):
+        batch = torch.from_numpy(
+            np.stack([blocks[i] for i in range(start, min(n, start + batch_size))]).astype(np.int64)
+        )
+        t0 = time.perf_counter()
+        logits = model(input_ids=batch[:, :-1]).logits.float()
+        elapsed += time.perf_counter() - t0
+        targets = batch[:, 1:]
+        nats += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
+        tokens += targets.numel()
+        nbytes += int(byte_lengths[targets.numpy()].sum())
+    loss = nats / tokens
+    return {
+        "val_loss": loss,
+        "val_perplexity": math.exp(loss),
+        "val_bits_per_byte": nats / math.log(2) / nbytes,
+        "val_tokens": float(tokens),
+        "inference_tokens_per_s": tokens / elapsed,
+    }
+
+
+def unigram_perplexity(train_blocks, val, n_blocks: int, vocab_size: int, max_train_blocks: int = 200_000) -> float:
+    """Perplexity of predicting each val token from train token frequencies alone (add-one
+    smoothed): the bar any trained model should clear."""
+    step = max(1, len(train_blocks) // max_train_blocks)
+    counts = np.ones(vocab_size, dtype=np.float64)
+    for i in range(0, len(train_blocks), step):
+        counts += np.bincount(train_blocks[i][1:], minlength=vocab_size)[:vocab_size]
+    logp = np.log(counts / counts.sum())
+    n = val_blocks(val, n_blocks)
+    targets = np.concatenate([val[i][1:] for i in range(n)]).astype(np.int64)
+    return float(math.exp(-logp[targets].mean()))
+
+
+@torch.no_grad()
+def greedy_samples(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict]:
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+        gen = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id, eos_token_id=None
+        )
+        out.append({"prompt": prompt, "continuation": tokenizer.decode(gen[0, ids.shape[1] :])})
+    return out

@@ -1,0 +1,114 @@
+"""The evaluate stage: measure a validated model on the val split and publish the results."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from components.config import EvalConfig
+from components.evaluate.metrics import greedy_samples, perplexity, token_byte_lengths, unigram_perplexity
+from components.evaluate.report import report_html
+from components.store import ArtifactStore, Manifest, Ref
+from components.tokenize.blocks import load_tokenizer, open_token_blocks
+from components.validate.checks import load_hf_model
+
+log = logging.getLogger(__name__)
+
+
+class EvalInputError(ValueError):
+    pass
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]
+    samples: list[dict]
+    html: str
+    manifest: Manifest
+
+
+def measure(model_dir: Path, data_dir: Path, cfg: EvalConfig) -> tuple[dict[str, float], list[dict]]:
+    model = load_hf_model(model_dir)
+    tokenizer = load_tokenizer(data_dir)
+    val = open_token_blocks(data_dir, "val")
+    if len(val) == 0:
+        raise EvalInputError(f"{data_dir}: the val split has zero blocks; nothing to evaluate")
+    vocab = model.config.vocab_size
+    metrics = perplexity(model, val, cfg.val_blocks, cfg.batch_size, token_byte_lengths(tokenizer, vocab))
+    metrics["unigram_perplexity"] = unigram_perplexity(open_token_blocks(data_dir, "train"), val, cfg.val_blocks, vocab)
+    metrics["perplexity_vs_unigram"] = metrics["val_perplexity"] / metrics["unigram_perplexity"]
+    metrics.update(run_lm_eval(model_dir, cfg.lm_eval_tasks))
+    return metrics, greedy_samples(model, tokenizer, cfg.prompts, cfg.max_new_tokens)
+
+
+def check_lm_eval_tasks(tasks: list[str]) -> None:
+    """Fail before any evaluation when a configured lm-eval task does not exist."""
+    if not tasks:
+        return
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise EvalInputError("eval.lm_eval_tasks needs the lm-eval package (pip install 'liftoff[lm-eval]')") from None
+    known = set(TaskManager().all_tasks)
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        raise EvalInputError(f"eval.lm_eval_tasks: unknown lm-eval task(s) {unknown}")
+
+
+def run_lm_eval(model_dir: Path, tasks: list[str]) -> dict[str, float]:
+    """Optional lm-eval-harness tasks on the local model (tasks that download data need a cluster)."""
+    if not tasks:
+        return {}
+    import lm_eval
+
+    results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir}", tasks=list(tasks))
+    out = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            if isinstance(value, (int, float)):
+                out[f"lm_eval/{task}/{key.replace(',', '/')}"] = float(value)
+    return out
+
+
+def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore) -> EvalResult:
+    check_lm_eval_tasks(cfg.lm_eval_tasks)
+    model_manifest = store.manifest(Ref.parse(model_ref))
+    data_ref = next((p for p in model_manifest.parents if p.startswith("dataset/")), None)
+    if data_ref is None:
+        raise EvalInputError(f"{model_ref}: its lineage names no dataset")
+    model_dir = store.fetch(model_manifest)
+    data_dir = store.fetch(store.manifest(Ref.parse(data_ref)))
+    metrics, samples = measure(model_dir, data_dir, cfg)
+    deltas = None
+    if cfg.baseline:
+        base_manifest = store.manifest(Ref.parse(cfg.baseline))
+        base_metrics, _ = measure(store.fetch(base_manifest), data_dir, cfg)
+        deltas = {k: metrics[k] - base_metrics[k] for k in metrics if k in base_metrics}
+        metrics.update({f"baseline_{k}": v for k, v in base_metrics.items()})
+    page = report_html(metrics, samples, model_dir / "training_metrics.jsonl", deltas)
+    version = f"{model_manifest.ref.version}-{hashlib.sha256(json.dumps(asdict(cfg)).encode()).hexdigest()[:8]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        (out / "samples.json").write_text(json.dumps(samples, indent=2))
+        (out / "report.html").write_text(page)
+        manifest = store.publish(
+            "eval",
+            model_manifest.ref.name,
+            version,
+            out,
+            metadata={"metrics": metrics},
+            parents=[str(model_manifest.ref), data_ref],
+        )
+    log.info(
+        "evaluation of %s: perplexity %.2f (unigram %.2f), %.3f bits/byte",
+        model_ref,
+        metrics["val_perplexity"],
+        metrics["unigram_perplexity"],
+        metrics["val_bits_per_byte"],
+    )
+    return EvalResult(metrics, samples, page, manifest)

@@ -1,0 +1,88 @@
+"""Checks on a trained model: file hashes, loading, finite forward pass, loss agreement."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from components.store import Manifest, sha256_file
+
+log = logging.getLogger(__name__)
+
+
+class ValidationFailed(RuntimeError):
+    """The model or checkpoint is not sound; the message names the file or check."""
+
+
+@dataclass
+class Verdict:
+    checks: dict[str, bool] = field(default_factory=dict)
+    numbers: dict[str, float] = field(default_factory=dict)
+
+    def passed(self, name: str, **numbers: float) -> None:
+        self.checks[name] = True
+        self.numbers.update(numbers)
+        log.info("validate: %s ok %s", name, numbers or "")
+
+
+def verify_files(local: Path, manifest: Manifest) -> int:
+    """Re-hash every file against the store manifest (not the fetch cache's word for it)."""
+    for rel, entry in manifest.files.items():
+        path = local / rel
+        if not path.is_file():
+            raise ValidationFailed(f"{rel}: missing from {manifest.ref}")
+        if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+            raise ValidationFailed(f"{rel}: sha256 does not match the manifest of {manifest.ref}")
+    return len(manifest.files)
+
+
+def load_hf_model(model_dir: Path):
+    """Load with transformers from safetensors only (never a pickled .bin)."""
+    from transformers import AutoModelForCausalLM
+
+    if not (model_dir / "config.json").is_file():
+        raise ValidationFailed(f"{model_dir}: no config.json; not a Hugging Face model directory")
+    if not list(model_dir.glob("*.safetensors")):
+        raise ValidationFailed(f"{model_dir}: no .safetensors weights (pickled weights are refused)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True)
+    except Exception as e:  # transformers raises many types for a damaged model
+        raise ValidationFailed(f"{model_dir}: does not load with transformers: {e}") from None
+    return model.eval()
+
+
+def load_checkpoint_weights(ckpt_dir: Path, hf_model) -> dict[str, torch.Tensor]:
+    """The model weights of a DCP checkpoint, read into a copy of the model's own state dict."""
+    import torch.distributed.checkpoint as dcp
+
+    from components.train.checkpoint import SafeFileSystemReader
+
+    state = {"model": {k: torch.empty_like(v) for k, v in hf_model.state_dict().items()}}
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt_dir)), no_dist=True)
+    except Exception as e:
+        raise ValidationFailed(f"{ckpt_dir}: the DCP checkpoint does not load into the model: {e}") from None
+    return state["model"]
+
+
+@torch.no_grad()
+def mean_loss(model, blocks, n_blocks: int, batch_size: int) -> tuple[float, bool]:
+    """Mean next-token loss over the first n_blocks val blocks; and whether all logits were finite."""
+    import numpy as np
+
+    total, count, finite = 0.0, 0, True
+    n = len(blocks) if n_blocks == 0 else min(n_blocks, len(blocks))
+    for start in range(0, n, batch_size):
+        batch = torch.from_numpy(
+            np.stack([blocks[i] for i in range(start, min(n, start + batch_size))]).astype(np.int64)
+        )
+        logits = model(input_ids=batch[:, :-1]).logits.float()
+        finite &= bool(torch.isfinite(logits).all())
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        total += float(loss)
+        count += batch[:, 1:].numel()
+    return (total / count if count else math.nan), finite

@@ -1,0 +1,27 @@
+"""KFP component `validate`: a trained model in, a verdict out; an unsound model fails the run."""
+
+from kfp import dsl
+from kfp.dsl import Input, Metrics, Model, Output
+
+from components import STAGE_IMAGE
+
+
+@dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
+def validate(trained_model: Input[Model], eval: dict, store: dict, verdict: Output[Metrics]) -> str:
+    """Returns the validated model reference, for evaluate."""
+    import json
+    import logging
+    from pathlib import Path
+
+    from components.config import EvalConfig, StoreConfig, group_from_dict
+    from components.store import open_store
+    from components.validate.stage import run_validate
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ref = json.loads(Path(trained_model.path).read_text())["ref"]
+    result = run_validate(ref, group_from_dict(EvalConfig, eval), open_store(group_from_dict(StoreConfig, store)))
+    for name, ok in result.checks.items():
+        verdict.log_metric(f"check_{name}", 1.0 if ok else 0.0)
+    for name, value in result.numbers.items():
+        verdict.log_metric(name, float(value))
+    return ref

@@ -1,0 +1,67 @@
+"""The validate stage: every check must pass, or the run stops naming what failed."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from components.config import EvalConfig
+from components.store import ArtifactStore, Ref
+from components.tokenize.blocks import open_token_blocks
+from components.train.checkpoint import CheckpointError, verify
+from components.validate.checks import (
+    ValidationFailed,
+    Verdict,
+    load_checkpoint_weights,
+    load_hf_model,
+    mean_loss,
+    verify_files,
+)
+
+log = logging.getLogger(__name__)
+
+
+def run_validate(model_ref: str, eval_cfg: EvalConfig, store: ArtifactStore) -> Verdict:
+    verdict = Verdict()
+    model_manifest = store.manifest(Ref.parse(model_ref))
+    model_dir = store.fetch(model_manifest)
+    verdict.passed("model_hashes", model_files=verify_files(model_dir, model_manifest))
+
+    ckpt_ref = next((p for p in model_manifest.parents if p.startswith("checkpoint/")), None)
+    data_ref = next((p for p in model_manifest.parents if p.startswith("dataset/")), None)
+    if ckpt_ref is None or data_ref is None:
+        raise ValidationFailed(f"{model_ref}: its lineage names no checkpoint or dataset ({model_manifest.parents})")
+    ckpt_manifest = store.manifest(Ref.parse(ckpt_ref))
+    ckpt_dir = store.fetch(ckpt_manifest)
+    verdict.passed("checkpoint_hashes", checkpoint_files=verify_files(ckpt_dir, ckpt_manifest))
+    try:
+        meta = verify(ckpt_dir)
+    except CheckpointError as e:
+        raise ValidationFailed(f"checkpoint {ckpt_ref}: {e}") from None
+
+    model = load_hf_model(model_dir)
+    verdict.passed("loads_with_transformers", parameters=sum(p.numel() for p in model.parameters()))
+    weights = load_checkpoint_weights(ckpt_dir, model)
+    exported = model.state_dict()
+    max_diff = max(float((weights[k].float() - exported[k].float()).abs().max()) for k in exported)
+    if max_diff > 0:
+        raise ValidationFailed(f"checkpoint {ckpt_ref} and model {model_ref} weights differ (max |diff| {max_diff})")
+    verdict.passed("checkpoint_matches_export", checkpoint_max_abs_diff=max_diff)
+
+    data_dir = store.fetch(store.manifest(Ref.parse(data_ref)))
+    val = open_token_blocks(data_dir, "val")
+    if len(val) == 0:
+        raise ValidationFailed(f"{data_ref}: the val split has zero blocks")
+    val_loss, finite = mean_loss(model, val, eval_cfg.val_blocks, eval_cfg.batch_size)
+    if not finite or not math.isfinite(val_loss):
+        raise ValidationFailed(f"forward pass: non-finite logits on the val split of {data_ref} (loss {val_loss})")
+    verdict.passed("forward_finite", val_loss=val_loss)
+    recorded = meta["loss"]
+    if not abs(val_loss - recorded) <= eval_cfg.loss_tolerance:
+        raise ValidationFailed(
+            f"loss check: val loss {val_loss:.4f} is not within eval.loss_tolerance="
+            f"{eval_cfg.loss_tolerance} of the loss train recorded at step {meta['step']} "
+            f"({recorded:.4f})"
+        )
+    verdict.passed("loss_agrees", recorded_loss=recorded, loss_gap=abs(val_loss - recorded))
+    return verdict

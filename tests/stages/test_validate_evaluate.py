@@ -1,0 +1,160 @@
+"""Validate and evaluate on a model trained on the shipped corpus."""
+
+from __future__ import annotations
+
+import shutil
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from components.config import EvalConfig
+from components.evaluate.stage import EvalInputError, run_evaluate
+from components.store import ArtifactStore, Ref
+from components.validate.checks import ValidationFailed, load_hf_model
+from components.validate.stage import run_validate
+from tests.conftest import Trainer
+
+
+@pytest.fixture(scope="module")
+def trained(dataset_store, tmp_path_factory):
+    trainer = Trainer(dataset_store, tmp_path_factory.mktemp("trained"))
+    result = trainer.run("train.steps=60")
+    return trainer, str(result.model.ref)
+
+
+def copy_store(trainer: Trainer, tmp_path: Path) -> ArtifactStore:
+    """A private copy of the store, so a test may damage it."""
+    from components.config import StoreConfig
+    from components.store import open_store
+
+    shutil.copytree(trainer.store_cfg.root, tmp_path / "store")
+    return open_store(StoreConfig(root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache")))
+
+
+def test_good_model_passes_every_check(trained):
+    trainer, ref = trained
+    verdict = run_validate(ref, EvalConfig(), trainer.store)
+    assert set(verdict.checks) == {
+        "model_hashes",
+        "checkpoint_hashes",
+        "loads_with_transformers",
+        "checkpoint_matches_export",
+        "forward_finite",
+        "loss_agrees",
+    }
+    assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0
+
+
+def test_flipped_byte_in_safetensors_fails_naming_the_file(trained, tmp_path):
+    trainer, ref = trained
+    store = copy_store(trainer, tmp_path)
+    version_dir = tmp_path / "store" / Ref.parse(ref).prefix
+    weights = version_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="model.safetensors"):
+        run_validate(ref, EvalConfig(), store)
+
+
+def test_flipped_byte_in_the_local_copy_is_caught_too(trained, tmp_path):
+    trainer, ref = trained
+    store = copy_store(trainer, tmp_path)
+    local = store.fetch(store.manifest(Ref.parse(ref)))
+    weights = local / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValidationFailed, match="model.safetensors: sha256 does not match"):
+        run_validate(ref, EvalConfig(), store)
+
+
+def test_nan_weights_fail_the_forward_check(trained, tmp_path):
+    trainer, ref = trained
+    store = copy_store(trainer, tmp_path)
+    src = store.fetch(store.manifest(Ref.parse(ref)))
+    bad = tmp_path / "nan-model"
+    shutil.copytree(src, bad, ignore=shutil.ignore_patterns(".liftoff-verified"))
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    manifest = store.manifest(Ref.parse(ref))
+    store.publish("model", "tiny", "nan-weights", bad, parents=manifest.parents)
+    with pytest.raises(ValidationFailed, match="checkpoint .* and model .* weights differ|non-finite logits"):
+        run_validate("model/tiny@nan-weights", EvalConfig(), store)
+
+
+def test_model_dir_without_config_is_a_clear_error(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValidationFailed, match="no config.json"):
+        load_hf_model(tmp_path)
+
+
+class _Collect(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.imgs, self.cells, self.in_td = [], [], False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "img":
+            self.imgs.append(attrs)
+        self.in_td = tag == "td"
+
+    def handle_data(self, data):
+        if self.in_td:
+            self.cells.append(data)
+
+
+def test_evaluate_beats_unigram_and_reports(trained):
+    trainer, ref = trained
+    result = run_evaluate(ref, EvalConfig(val_blocks=32, prompts=["In the beginning"], max_new_tokens=8), trainer.store)
+    m = result.metrics
+    assert m["val_perplexity"] < m["unigram_perplexity"], m
+    assert 0 < m["val_bits_per_byte"] < 8 and m["inference_tokens_per_s"] > 0
+    assert result.samples[0]["prompt"] == "In the beginning" and result.samples[0]["continuation"]
+    page = _Collect()
+    page.feed(result.html)
+    curves = [i for i in page.imgs if i.get("class") == "curve"]
+    assert len(curves) == 4 and all(i["src"].startswith("data:image/png;base64,iVBOR") for i in curves)
+    for name, value in m.items():
+        assert name in page.cells and f"{value:.6g}" in page.cells
+    stored = trainer.store.resolve("eval", "tiny", result.manifest.ref.version)
+    assert ref in stored.parents and any(p.startswith("dataset/") for p in stored.parents)
+
+
+def test_evaluate_with_baseline_reports_deltas(trained):
+    trainer, ref = trained
+    result = run_evaluate(ref, EvalConfig(val_blocks=8, prompts=[], baseline=ref), trainer.store)
+    assert result.metrics["baseline_val_loss"] == pytest.approx(result.metrics["val_loss"])
+    assert "delta vs baseline" in result.html
+
+
+def test_unknown_lm_eval_task_is_a_clear_error(trained):
+    trainer, ref = trained
+    with pytest.raises(EvalInputError, match=r"unknown lm-eval task\(s\) \['no_such_task_xyz'\]"):
+        run_evaluate(ref, EvalConfig(lm_eval_tasks=["no_such_task_xyz"]), trainer.store)
+
+
+def test_zero_val_blocks_is_a_clear_error(trained, tmp_path):
+    import datasets
+    import numpy as np
+
+    from components.evaluate.stage import measure
+    from components.tokenize.blocks import BlockWriter
+
+    trainer, ref = trained
+    store = copy_store(trainer, tmp_path)
+    model = store.manifest(Ref.parse(ref))
+    data_ref = next(p for p in model.parents if p.startswith("dataset/"))
+    data_dir = tmp_path / "empty-val"
+    shutil.copytree(store.fetch(store.manifest(Ref.parse(data_ref))), data_dir)
+    shutil.rmtree(data_dir / "val")
+    w = BlockWriter(tmp_path / "empty.arrow", 65, np.dtype(np.uint16))
+    w.close()
+    datasets.Dataset.from_file(str(tmp_path / "empty.arrow")).save_to_disk(str(data_dir / "val"))
+    with pytest.raises(EvalInputError, match="val split has zero blocks"):
+        measure(store.fetch(model), data_dir, EvalConfig())
