@@ -49,7 +49,7 @@ def test_clip_bounds_the_update():
     before = [p.detach().clone() for p in m.parameters()]
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
     norm, stepped = clip_and_step(m, opt, max_norm=0.5, scaler=None)
-    delta = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(m.parameters(), before)))
+    delta = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(m.parameters(), before, strict=True)))
     assert stepped and norm > 0.5 and float(delta) == pytest.approx(0.5, rel=1e-4)
 
 
@@ -60,7 +60,7 @@ def test_nonfinite_step_is_skipped_and_weights_kept():
     opt = torch.optim.AdamW(m.parameters(), lr=1.0)
     _, stepped = clip_and_step(m, opt, max_norm=1.0, scaler=None)
     assert not stepped
-    assert all(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+    assert all(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before, strict=True))
     assert all(p.grad is None for p in m.parameters())
     assert not opt.state  # AdamW moments untouched by the bad step
 
