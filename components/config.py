@@ -146,6 +146,7 @@ class PreflightConfig:
     memory_safety: float = 0.9
     device_memory_gb: float | None = None  # None: measured (GPU) or host memory (CPU)
     quarantine: bool = False
+    throttle_node: int = -1  # test-only: this node's GEMMs run slower, as a degraded device would
 
 
 @dataclass

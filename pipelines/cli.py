@@ -62,6 +62,41 @@ def _print_lineage(node: dict, depth: int) -> None:
         _print_lineage(parent, depth + 1)
 
 
+def cmd_plan(args: list[str]) -> int:
+    """Memory, FLOPs and step time for a config, no hardware needed; exit 1 when it cannot fit."""
+    import os
+
+    from components.preflight.plan import fits, format_plan, plan
+
+    words, overrides = _split(args)
+    if words:
+        raise UsageError(f"liftoff plan takes only overrides, got {words[0]!r}")
+    cfg = OmegaConf.to_object(compose(overrides))
+    vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
+    world = cfg.cluster.nodes * cfg.cluster.procs_per_node
+    device_gb = cfg.preflight.device_memory_gb or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    p = plan(
+        cfg.model,
+        cfg.train,
+        world,
+        cfg.data.seq_len,
+        vocab,
+        tflops=cfg.train.peak_tflops,
+        peak_tflops=cfg.train.peak_tflops,
+    )
+    print(format_plan(p, device_gb, cfg.preflight.memory_safety))
+    if not fits(p, device_gb, cfg.preflight.memory_safety):
+        print(
+            f"liftoff plan: does not fit: {p.total_gb:.2f} GB per device > {device_gb:.2f} GB x "
+            f"preflight.memory_safety={cfg.preflight.memory_safety} = "
+            f"{device_gb * cfg.preflight.memory_safety:.2f} GB",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"fits: {p.total_gb:.3f} GB of {device_gb * cfg.preflight.memory_safety:.2f} GB per device")
+    return 0
+
+
 class UsageError(ValueError):
     pass
 
@@ -69,6 +104,7 @@ class UsageError(ValueError):
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "config": cmd_config,
     "artifacts": cmd_artifacts,
+    "plan": cmd_plan,
 }
 
 

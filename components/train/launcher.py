@@ -27,6 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def decode_spec(text: str) -> dict:
+    return json.loads(base64.urlsafe_b64decode(text.encode()).decode())
+
+
 def encode_spec(spec: dict) -> str:
     return base64.urlsafe_b64encode(json.dumps(spec).encode()).decode()
 

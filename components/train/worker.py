@@ -7,7 +7,6 @@ across ranks -> unscale, clip, step (or skip a non-finite step) -> log -> checkp
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import json
 import logging
@@ -28,6 +27,7 @@ from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.data import BlockSampler
 from components.train.export import export_hf
+from components.train.launcher import decode_spec
 from components.train.model import build_model, count_params, flops_per_token
 from components.train.monitor import Monitor, Watchdog, mfu, peak_memory_bytes
 from components.train.nonfinite import first_nonfinite_module
@@ -37,10 +37,6 @@ from components.train.precision import apply_fp8, autocast
 from components.train.resume import find_resume_checkpoint
 
 log = logging.getLogger("liftoff.train")
-
-
-def decode_spec(text: str) -> dict:
-    return json.loads(base64.urlsafe_b64decode(text.encode()).decode())
 
 
 def inject_faults(model: torch.nn.Module, faults, rank: int, state: dict) -> None:

@@ -1,0 +1,1 @@
+"""The preflight stage: benchmark the fleet and check the plan before any GPU hour is spent."""

@@ -1,0 +1,118 @@
+"""Per-node measurements: GEMM TFLOP/s per dtype, memory bandwidth, all-reduce, host facts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _timed(fn, iters: int, device: torch.device) -> float:
+    fn()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def fp8_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    try:
+        a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        one = torch.tensor(1.0, device=device)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def gemm_tflops(size: int, dtype: str, iters: int, device: torch.device, throttle_s: float = 0.0) -> float:
+    """Achieved TFLOP/s of a size x size x size matmul (2·n³ FLOPs)."""
+    torch.manual_seed(0)
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    if dtype == "fp8":
+        a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().t().to(torch.float8_e4m3fn)
+        one = torch.tensor(1.0, device=device)
+
+        def op():
+            torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+        a, b = a.to(dt), b.to(dt)
+
+        def op():
+            torch.mm(a, b)
+
+    def throttled():
+        op()
+        if throttle_s:
+            time.sleep(throttle_s)
+
+    seconds = _timed(throttled, iters, device)
+    return 2 * size**3 / seconds / 1e12
+
+
+def memory_bandwidth_gbps(megabytes: int, iters: int, device: torch.device) -> float:
+    """Device memory bandwidth from a large copy: read + write = 2 x bytes."""
+    n = megabytes * (1 << 20) // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    seconds = _timed(lambda: dst.copy_(src), iters, device)
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
+def allreduce_busbw(sizes_mb: list[float], device: torch.device, iters: int = 5) -> dict[str, float]:
+    """All-reduce bus bandwidth per message size (nccl-tests: busbw = algbw x 2(n-1)/n) and
+    the latency of an 8-byte all-reduce."""
+    world = dist.get_world_size()
+    out = {}
+    for mb in sizes_mb:
+        t = torch.ones(max(1, int(mb * (1 << 20) / 4)), device=device)
+        seconds = _timed(lambda t=t: dist.all_reduce(t), iters, device)
+        algbw = t.numel() * 4 / seconds / 1e9
+        out[f"allreduce_busbw_gbps_{mb:g}mb"] = algbw * 2 * (world - 1) / world if world > 1 else algbw
+    small = torch.ones(2, device=device)
+    out["allreduce_latency_us"] = _timed(lambda: dist.all_reduce(small), 20, device) * 1e6
+    return out
+
+
+def host_facts(device: torch.device, checkpoint_dir: Path) -> dict:
+    shm = shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else 0
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    facts = {
+        "host": os.environ.get("NODE_NAME") or socket.gethostname(),
+        "shm_gb": shm / 1e9,
+        "memlock_unlimited": soft == resource.RLIM_INFINITY,
+        "free_disk_gb": shutil.disk_usage(checkpoint_dir).free / 1e9,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{platform.machine()}",
+        "cuda": torch.version.cuda or "none",
+        "driver": _driver_version() if device.type == "cuda" else "none",
+    }
+    if device.type == "cuda":
+        facts["device_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 1e9
+    else:
+        facts["device_memory_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return facts
+
+
+def _driver_version() -> str:
+    try:
+        return Path("/proc/driver/nvidia/version").read_text().split("Kernel Module")[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"

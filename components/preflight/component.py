@@ -1,0 +1,61 @@
+"""KFP component `preflight` (never cached): benchmark the nodes, plan, and gate the run."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Markdown, Metrics, Output
+
+from components import STAGE_IMAGE
+
+
+@dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
+def preflight(
+    dataset: Input[Dataset],
+    model: dict,
+    train: dict,
+    cluster: dict,
+    preflight: dict,
+    store: dict,
+    metrics: Output[Metrics],
+    report: Output[Markdown],
+    nodes: Output[Dataset],
+) -> str:
+    """Fails the run when too few nodes are healthy or the plan does not fit; returns 'ok'."""
+    import json
+    import logging
+    from pathlib import Path
+
+    from components.config import (
+        ClusterConfig,
+        ModelConfig,
+        PreflightConfig,
+        StoreConfig,
+        TrainConfig,
+        group_from_dict,
+    )
+    from components.preflight.stage import gate, report_markdown, run_preflight
+    from components.store import open_store
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = group_from_dict(PreflightConfig, preflight)
+    store_cfg = group_from_dict(StoreConfig, store)
+    result = run_preflight(
+        json.loads(Path(dataset.path).read_text())["ref"],
+        group_from_dict(ModelConfig, model),
+        group_from_dict(TrainConfig, train),
+        group_from_dict(ClusterConfig, cluster),
+        cfg,
+        store_cfg,
+        open_store(store_cfg),
+    )
+    for node in result.nodes:
+        for key, value in node.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "rank":
+                metrics.log_metric(f"node{node['rank']}_{key}", float(value))
+    for key, value in result.plan.as_dict().items():
+        if value is not None:
+            metrics.log_metric(f"plan_{key}", float(value))
+    metrics.log_metric("healthy_nodes", float(len(result.healthy)))
+    metrics.log_metric("preflight_seconds", result.seconds)
+    Path(report.path).write_text(report_markdown(result, cfg))
+    Path(nodes.path).write_text(json.dumps({"healthy": result.healthy, "unhealthy": result.unhealthy}, indent=2))
+    gate(result, cfg)
+    return "ok"

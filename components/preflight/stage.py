@@ -1,0 +1,162 @@
+"""The preflight stage: benchmark every node through the training launcher, judge, plan, gate."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.config import (
+    ClusterConfig,
+    ModelConfig,
+    Precision,
+    PreflightConfig,
+    Scheduler,
+    StoreConfig,
+    TrainConfig,
+)
+from components.preflight.plan import Plan, fits, format_plan, plan
+from components.preflight.verdict import NodeVerdict, judge
+from components.store import ArtifactStore, Ref
+from components.tokenize.blocks import load_stats
+from components.train.launcher import run_app
+from components.train.stage import drop_none, plain
+
+log = logging.getLogger(__name__)
+
+
+class PreflightFailed(RuntimeError):
+    """The fleet or the plan is not fit to train; the message is the readable summary."""
+
+
+@dataclass
+class PreflightResult:
+    nodes: list[dict]
+    verdicts: list[NodeVerdict]
+    plan: Plan
+    device_memory_gb: float
+    seconds: float
+
+    @property
+    def healthy(self) -> list[str]:
+        return [v.host + f"#{v.rank}" for v in self.verdicts if v.healthy]
+
+    @property
+    def unhealthy(self) -> dict[str, list[str]]:
+        return {v.host + f"#{v.rank}": v.reasons for v in self.verdicts if not v.healthy}
+
+
+def plan_inputs(nodes: list[dict], precision: Precision) -> tuple[float, float | None]:
+    """Achieved TFLOP/s of the compute dtype (slowest node) and the largest message's bus bandwidth."""
+    key = {Precision.fp32: "gemm_tflops_fp32", Precision.bf16: "gemm_tflops_bf16", Precision.fp8: "gemm_tflops_fp8"}[
+        precision
+    ]
+    if not all(key in n for n in nodes):
+        key = "gemm_tflops_bf16"
+    tflops = min(n[key] for n in nodes)
+    bw_keys = sorted(
+        (k for k in nodes[0] if k.startswith("allreduce_busbw_gbps_")),
+        key=lambda k: float(k.rsplit("_", 1)[1].rstrip("mb")),
+    )
+    return tflops, (min(n[bw_keys[-1]] for n in nodes) if bw_keys else None)
+
+
+def report_markdown(result: PreflightResult, cfg: PreflightConfig) -> str:
+    metrics = sorted(
+        {
+            k
+            for n in result.nodes
+            for k, v in n.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "rank"
+        }
+    )
+    lines = ["# Preflight", "", "| node | verdict | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+    for node, v in zip(result.nodes, result.verdicts, strict=True):
+        cells = " | ".join(f"{node.get(m, float('nan')):.4g}" for m in metrics)
+        lines.append(f"| {node['host']}#{node['rank']} | {'healthy' if v.healthy else 'UNHEALTHY'} | {cells} |")
+    lines += ["", "## Unhealthy nodes", ""]
+    lines += [f"- **{n}**: " + "; ".join(r) for n, r in result.unhealthy.items()] or ["none"]
+    lines += ["", "## Plan", "", "```", format_plan(result.plan, result.device_memory_gb, cfg.memory_safety), "```"]
+    return "\n".join(lines)
+
+
+def run_preflight(
+    dataset: str | None,
+    model: ModelConfig,
+    train: TrainConfig,
+    cluster: ClusterConfig,
+    cfg: PreflightConfig,
+    store_cfg: StoreConfig,
+    store: ArtifactStore,
+) -> PreflightResult:
+    t0 = time.perf_counter()
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    nodes_cluster = ClusterConfig(**{**plain_cluster(cluster), "procs_per_node": 1})
+    spec = {
+        "preflight": plain(cfg),
+        "store": drop_none(plain(store_cfg)),
+        "dataset": dataset,
+        "name": f"{cluster.scheduler.value}-{cluster.nodes}n",
+        "run_id": run_id,
+        "checkpoint_dir": str(Path(train.run_dir).resolve()),
+    }
+    run_app(
+        "components.preflight.worker",
+        spec,
+        nodes_cluster,
+        f"preflight-{run_id[-8:]}",
+        Path(train.run_dir).resolve() / "preflight" / run_id,
+    )
+    published = store.fetch(store.manifest(Ref("preflight", spec["name"], run_id)))
+    nodes = json.loads((published / "nodes.json").read_text())
+    verdicts = judge(nodes, cfg)
+    healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes
+    tflops, busbw = plan_inputs(healthy_nodes, train.precision)
+    device_gb = cfg.device_memory_gb or min(n["device_memory_gb"] for n in nodes)
+    vocab = load_stats(store.fetch(store.manifest(Ref.parse(dataset))))["vocab_size"] if dataset else None
+    seq_len = load_stats(store.fetch(store.manifest(Ref.parse(dataset))))["seq_len"] if dataset else model.max_seq_len
+    world = cluster.nodes * cluster.procs_per_node
+    the_plan = plan(
+        model,
+        train,
+        world,
+        seq_len,
+        vocab,
+        tflops=tflops,
+        peak_tflops=train.peak_tflops,
+        busbw_gbps=busbw if world > 1 else None,
+    )
+    result = PreflightResult(nodes, verdicts, the_plan, device_gb, time.perf_counter() - t0)
+    if cfg.quarantine and cluster.scheduler == Scheduler.kubernetes and result.unhealthy:
+        from components.preflight.quarantine import quarantine_nodes
+
+        bad = [v for v in verdicts if not v.healthy]
+        quarantine_nodes([v.host for v in bad], {v.host: v.reasons for v in bad})
+    return result
+
+
+def plain_cluster(cluster: ClusterConfig) -> dict:
+    from dataclasses import asdict
+
+    return asdict(cluster)
+
+
+def gate(result: PreflightResult, cfg: PreflightConfig) -> None:
+    """Stop the run before training when the fleet or the plan cannot work."""
+    problems = []
+    if len(result.healthy) < cfg.min_healthy_nodes:
+        problems.append(
+            f"{len(result.healthy)} healthy node(s), preflight.min_healthy_nodes={cfg.min_healthy_nodes}: "
+            + "; ".join(f"{n}: {', '.join(r)}" for n, r in result.unhealthy.items())
+        )
+    if not fits(result.plan, result.device_memory_gb, cfg.memory_safety):
+        problems.append(
+            f"planned memory {result.plan.total_gb:.2f} GB per device exceeds {result.device_memory_gb:.2f}"
+            f" GB x preflight.memory_safety={cfg.memory_safety} = "
+            f"{result.device_memory_gb * cfg.memory_safety:.2f} GB"
+        )
+    if problems:
+        raise PreflightFailed("preflight failed:\n- " + "\n- ".join(problems))

@@ -1,0 +1,56 @@
+"""Per-node verdicts: each metric against the fleet (robust z-score) and absolute floors."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+from components.config import PreflightConfig
+from components.robust import robust_z
+
+PERF_PREFIXES = ("gemm_tflops_", "membw_gbps", "allreduce_busbw_gbps_", "storage_read_mbps", "storage_roundtrip_mbps")
+MUST_MATCH = ("accelerator", "driver", "torch", "cuda")
+
+
+@dataclass
+class NodeVerdict:
+    rank: int
+    host: str
+    healthy: bool = True
+    reasons: list[str] = field(default_factory=list)
+
+    def fail(self, reason: str) -> None:
+        self.healthy = False
+        self.reasons.append(reason)
+
+
+def perf_metrics(node: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in node.items() if k.startswith(PERF_PREFIXES) and isinstance(v, (int, float))}
+
+
+def judge(nodes: list[dict], cfg: PreflightConfig) -> list[NodeVerdict]:
+    verdicts = [NodeVerdict(n["rank"], n["host"]) for n in nodes]
+    for i, (node, verdict) in enumerate(zip(nodes, verdicts, strict=True)):
+        for metric, value in perf_metrics(node).items():
+            peers = [float(other[metric]) for j, other in enumerate(nodes) if j != i and metric in other]
+            z = robust_z(value, peers)
+            if peers and z < -cfg.zscore_threshold:
+                verdict.fail(
+                    f"{metric}={value:.4g} is {-z:.1f} robust SDs below the other nodes' median "
+                    f"{statistics.median(peers):.4g} (preflight.zscore_threshold={cfg.zscore_threshold})"
+                )
+        for metric, floor in cfg.floors.items():
+            if metric in node and float(node[metric]) < floor:
+                verdict.fail(f"{metric}={float(node[metric]):.4g} is below the floor {floor:g}")
+        if node.get("storage_probe_ok") is False:
+            verdict.fail("storage write/read/delete probe returned different bytes")
+    for key in MUST_MATCH:
+        values = Counter(n.get(key) for n in nodes)
+        if len(values) > 1:
+            common, count = values.most_common(1)[0]
+            tie = count * 2 <= len(nodes)
+            for node, verdict in zip(nodes, verdicts, strict=True):
+                if tie or node.get(key) != common:
+                    verdict.fail(f"{key}={node.get(key)} differs from the fleet ({dict(values)})")
+    return verdicts

@@ -1,0 +1,87 @@
+"""The preflight process on every node (one replica per node, launched like training).
+
+Each rank measures its node; rank 0 gathers every node's numbers and publishes them to
+the store, where the stage (which may run in another pod) reads them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from components.config import PreflightConfig, StoreConfig, group_from_dict
+from components.preflight import bench
+from components.store import Ref, open_store
+from components.train.launcher import decode_spec
+from components.train.parallel import init_distributed
+
+
+def storage_probe(store, dataset: str | None, probe_mb: int, rank: int) -> dict:
+    """Dataset read throughput from the store, and a write/read/delete round trip."""
+    out = {}
+    if dataset:
+        manifest = store.manifest(Ref.parse(dataset))
+        size = sum(f["size"] for f in manifest.files.values())
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            store.fetch(manifest, Path(tmp) / "data")
+            out["storage_read_mbps"] = size / (time.perf_counter() - t0) / 1e6
+    payload = os.urandom(probe_mb * (1 << 20))
+    key = f"preflight-probe/{os.uname().nodename}-{rank}-{os.getpid()}"
+    t0 = time.perf_counter()
+    store.backend.put_bytes(key, payload)
+    ok = store.backend.get_bytes(key) == payload
+    store.backend.delete(key)
+    out["storage_probe_ok"] = ok
+    out["storage_roundtrip_mbps"] = 2 * len(payload) / (time.perf_counter() - t0) / 1e6
+    return out
+
+
+def measure_node(cfg: PreflightConfig, spec: dict, rank: int, device: torch.device, store) -> dict:
+    throttle = 0.5 if rank == cfg.throttle_node else 0.0
+    m: dict = bench.host_facts(device, Path(spec["checkpoint_dir"]))
+    dtypes = ["fp32", "bf16"] + (["fp8"] if bench.fp8_supported(device) else [])
+    for dtype in dtypes:
+        m[f"gemm_tflops_{dtype}"] = bench.gemm_tflops(cfg.gemm_size, dtype, cfg.gemm_iters, device, throttle)
+    m["membw_gbps"] = bench.memory_bandwidth_gbps(cfg.membw_mb, 5, device)
+    m.update(storage_probe(store, spec.get("dataset"), cfg.storage_probe_mb, rank))
+    return m
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec-b64", required=True)
+    spec = decode_spec(parser.parse_args(argv).spec_b64)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stdout,
+        format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
+    )
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = group_from_dict(PreflightConfig, spec["preflight"])
+    store = open_store(group_from_dict(StoreConfig, spec["store"]))
+    rank, world, device = init_distributed(timeout_s=300)
+    node = measure_node(cfg, spec, rank, device, store)
+    node.update(bench.allreduce_busbw(cfg.allreduce_sizes_mb, device))
+    node["rank"] = rank
+    nodes = [None] * world
+    dist.all_gather_object(nodes, node)
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "nodes.json").write_text(json.dumps(nodes, indent=2))
+            store.publish("preflight", spec["name"], spec["run_id"], Path(tmp))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Preflight on two local "nodes" through TorchX, and the gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.config import PreflightConfig
+from components.preflight.stage import PreflightFailed, gate, report_markdown, run_preflight
+from components.preflight.verdict import judge
+from tests.conftest import Trainer
+
+EVERY_METRIC = [
+    "gemm_tflops_fp32",
+    "gemm_tflops_bf16",
+    "membw_gbps",
+    "allreduce_busbw_gbps_1mb",
+    "allreduce_latency_us",
+    "storage_read_mbps",
+    "storage_roundtrip_mbps",
+    "shm_gb",
+    "free_disk_gb",
+    "memlock_unlimited",
+    "torch",
+    "accelerator",
+    "cuda",
+    "driver",
+]
+
+
+def preflight(trainer: Trainer, *overrides: str):
+    cfg = trainer.config("cluster.nodes=2", *overrides)
+    return cfg, run_preflight(
+        trainer.dataset, cfg.model, cfg.train, cfg.cluster, cfg.preflight, trainer.store_cfg, trainer.store
+    )
+
+
+def test_two_node_preflight_measures_everything_and_passes(trainer):
+    cfg, result = preflight(trainer)
+    assert len(result.nodes) == 2
+    for node in result.nodes:
+        missing = [m for m in EVERY_METRIC if m not in node]
+        assert not missing, missing
+        assert node["gemm_tflops_fp32"] > 0 and node["storage_probe_ok"]
+    gate(result, cfg.preflight)
+    report = report_markdown(result, cfg.preflight)
+    assert report.count("| healthy |") == 2 and "## Plan" in report and "total per device" in report
+
+
+def test_throttled_node_is_unhealthy_and_the_gate_stops_the_run(trainer):
+    cfg, result = preflight(trainer, "preflight.throttle_node=1", "preflight.min_healthy_nodes=2")
+    unhealthy = result.unhealthy
+    assert list(unhealthy) == [f"{result.nodes[1]['host']}#1"]
+    assert any("gemm_tflops" in r and "robust SDs below" in r for r in unhealthy[f"{result.nodes[1]['host']}#1"])
+    with pytest.raises(PreflightFailed, match="1 healthy node\\(s\\), preflight.min_healthy_nodes=2"):
+        gate(result, cfg.preflight)
+
+
+def test_plan_that_does_not_fit_fails_the_gate(trainer):
+    cfg, result = preflight(trainer, "preflight.device_memory_gb=0.001")
+    with pytest.raises(PreflightFailed, match="planned memory .* GB per device exceeds 0.00 GB"):
+        gate(result, cfg.preflight)
+
+
+def node(rank, **kw):
+    base = {
+        "rank": rank,
+        "host": f"h{rank}",
+        "gemm_tflops_bf16": 100.0,
+        "membw_gbps": 3000.0,
+        "torch": "2.13.0",
+        "accelerator": "H200",
+        "driver": "570",
+        "cuda": "12.8",
+    }
+    return {**base, **kw}
+
+
+def test_mixed_versions_name_the_odd_node():
+    verdicts = judge([node(0), node(1), node(2, torch="2.12.0")], PreflightConfig())
+    assert [v.healthy for v in verdicts] == [True, True, False]
+    assert "torch=2.12.0 differs from the fleet" in verdicts[2].reasons[0]
+
+
+def test_floors_apply_to_every_node():
+    verdicts = judge([node(0), node(1)], PreflightConfig(floors={"membw_gbps": 4000.0}))
+    assert not any(v.healthy for v in verdicts) and "below the floor 4000" in verdicts[0].reasons[0]
+
+
+def test_quarantine_labels_and_taints(monkeypatch):
+    from types import SimpleNamespace
+
+    from components.preflight.quarantine import LABEL, TAINT_KEY, quarantine_nodes
+
+    patched = {}
+
+    class CoreV1:
+        def read_node(self, name):
+            return SimpleNamespace(spec=SimpleNamespace(taints=None))
+
+        def patch_node(self, name, body):
+            patched[name] = body
+
+    quarantine_nodes(["gpu-7"], {"gpu-7": ["slow"]}, api=CoreV1())
+    assert patched["gpu-7"]["metadata"]["labels"][LABEL] == "unhealthy"
+    assert patched["gpu-7"]["spec"]["taints"][0]["key"] == TAINT_KEY
