@@ -4,8 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
+SWEEP  ?= train.lr=1e-3,3e-3
+IMAGE  ?= ghcr.io/liftoff/liftoff
+TORCH_VARIANT ?= cuda
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test chaos lint compile upload sweep submit bench images clean
 
 install: $(STAMP)
 
@@ -17,18 +20,38 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-run: install
+run: install            ## the tiny CPU experiment, all five stages through kfp.local
 	$(BIN)/liftoff run $(ARGS)
 
-test: install
-	$(BIN)/python -m pytest -q $(ARGS)
+test: install           ## the test suite (fast chaos tests included)
+	$(BIN)/python -m pytest -q -m "not chaos_slow" $(ARGS)
+
+chaos: install          ## every chaos test, then the summary table
+	$(BIN)/python -m pytest -q tests/chaos $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/hadolint images/Dockerfile
+
+compile: install
+	$(BIN)/liftoff compile $(ARGS)
+
+upload: install
+	$(BIN)/liftoff upload $(ARGS)
+
+sweep: install          ## make sweep SWEEP="train.lr=1e-3,3e-3"
+	$(BIN)/liftoff run -m $(SWEEP) $(ARGS)
+
+submit: install
+	$(BIN)/liftoff submit $(ARGS)
 
 bench: install
 	$(BIN)/python -m benchmarks $(ARGS)
 
+images:                 ## the stage image, tagged with the git commit (needs a Docker engine)
+	docker build -f images/Dockerfile --build-arg TORCH_VARIANT=$(TORCH_VARIANT) \
+		-t $(IMAGE):$$(git rev-parse --short=10 HEAD) -t $(IMAGE):latest .
+
 clean:
-	rm -rf $(VENV) build artifacts outputs multirun .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) build artifacts runs local_outputs outputs multirun .cache .pytest_cache .ruff_cache

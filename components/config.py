@@ -189,6 +189,17 @@ class StoreConfig:
 
 
 @dataclass
+class KfpConfig:
+    """Where `liftoff submit` / `upload` talk to; not a pipeline parameter."""
+
+    host: str | None = None  # None: $KF_PIPELINES_ENDPOINT
+    namespace: str | None = None  # multi-user Kubeflow profile namespace
+    experiment: str | None = None  # None: named after the sweep's overrides
+    service_account: str | None = None  # runs execute as this (TorchX needs to create Volcano jobs)
+    pipeline_name: str = "liftoff-pretrain"
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -198,6 +209,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    kfp: KfpConfig = field(default_factory=KfpConfig)
 
 
 GROUP_SCHEMAS = {

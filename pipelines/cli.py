@@ -97,6 +97,74 @@ def cmd_plan(args: list[str]) -> int:
     return 0
 
 
+def _multirun(args: list[str]) -> tuple[bool, list[str]]:
+    multi = "-m" in args or "--multirun" in args
+    return multi, [a for a in args if a not in ("-m", "--multirun")]
+
+
+def cmd_run(args: list[str]) -> int:
+    """The whole DAG locally through kfp.local; `-m` sweeps and ends with a table."""
+    from pipelines.kfp_ops import expand_sweep, print_summary, run_local
+
+    multi, args = _multirun(args)
+    words, overrides = _split(args)
+    if words:
+        raise UsageError(f"liftoff run takes only overrides and -m, got {words[0]!r}")
+    jobs = expand_sweep(overrides) if multi else [overrides]
+    configs = [compose(job) for job in jobs]  # every job's config is checked before the first runs
+    rows = []
+    for job, cfg in zip(jobs, configs, strict=True):
+        print(f"== liftoff run {' '.join(job)}", flush=True)
+        result = run_local(cfg)
+        print_summary(result)
+        rows.append((job, result["metrics"]))
+    if multi:
+        print("\n| job | overrides | val loss | val perplexity |\n|---|---|---|---|")
+        for i, (job, m) in enumerate(rows):
+            print(f"| {i} | {' '.join(job) or '(defaults)'} | {m['val_loss']:.4f} | {m['val_perplexity']:.2f} |")
+    return 0
+
+
+def cmd_compile(args: list[str]) -> int:
+    from pathlib import Path
+
+    from pipelines.kfp_ops import BUILD, compile_pipeline
+
+    words, overrides = _split(args)
+    if words:
+        raise UsageError(f"liftoff compile takes only overrides, got {words[0]!r}")
+    path = compile_pipeline(compose(overrides), Path(BUILD) / "pretrain.yaml")
+    print(f"compiled {path}")
+    return 0
+
+
+def cmd_upload(args: list[str]) -> int:
+    from pipelines.kfp_ops import upload
+
+    words, overrides = _split(args)
+    if words:
+        raise UsageError(f"liftoff upload takes only overrides, got {words[0]!r}")
+    print(upload(compose(overrides)))
+    return 0
+
+
+def cmd_submit(args: list[str]) -> int:
+    from pipelines.kfp_ops import expand_sweep, submit, sweep_name
+
+    multi, args = _multirun(args)
+    words, overrides = _split(args)
+    if words:
+        raise UsageError(f"liftoff submit takes only overrides and -m, got {words[0]!r}")
+    jobs = expand_sweep(overrides) if multi else [overrides]
+    configs = [compose(job) for job in jobs]
+    experiment = configs[0].kfp.experiment or sweep_name(overrides)
+    for job, cfg in zip(jobs, configs, strict=True):
+        print(
+            f"submitted run {submit(cfg, job, experiment)} ({' '.join(job) or 'defaults'}) to experiment {experiment}"
+        )
+    return 0
+
+
 class UsageError(ValueError):
     pass
 
@@ -105,6 +173,10 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "config": cmd_config,
     "artifacts": cmd_artifacts,
     "plan": cmd_plan,
+    "run": cmd_run,
+    "compile": cmd_compile,
+    "upload": cmd_upload,
+    "submit": cmd_submit,
 }
 
 
@@ -113,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from components.store import StoreError
+    from pipelines.kfp_ops import KfpError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -125,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return command(argv[1:])
-    except (HydraException, OmegaConfBaseException, ConfigError, UsageError, StoreError) as e:
+    except (HydraException, OmegaConfBaseException, ConfigError, UsageError, StoreError, KfpError) as e:
         print(f"liftoff {argv[0]}: {_one_line(e)}", file=sys.stderr)
         return 2
 

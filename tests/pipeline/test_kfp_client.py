@@ -1,0 +1,99 @@
+"""compile, upload and submit, against the compiled YAML and a loopback KFP REST server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from pipelines.cli import main
+from tests.conftest import S3_ACCESS_KEY, S3_SECRET_KEY
+from tests.pipeline.fake_kfp import FakeKfp
+
+GROUPS = ["data", "tokenizer", "model", "train", "preflight", "eval", "cluster", "store"]
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIO_ACCESS_KEY", S3_ACCESS_KEY)
+    monkeypatch.setenv("MINIO_SECRET_KEY", S3_SECRET_KEY)
+    return tmp_path
+
+
+def test_compile_has_one_dict_per_group_and_no_secrets(in_tmp, capsys):
+    from kfp.components import load_component_from_file
+
+    assert main(["compile", "store=minio", "model=1b"]) == 0
+    path = in_tmp / "build" / "pretrain.yaml"
+    component = load_component_from_file(str(path))
+    assert component.name == "liftoff-pretrain"
+    text = path.read_text()
+    assert S3_SECRET_KEY not in text and S3_ACCESS_KEY not in text
+    docs = list(yaml.safe_load_all(text))
+    spec = docs[0]
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert sorted(params) == sorted(GROUPS) and all(p["parameterType"] == "STRUCT" for p in params.values())
+    defaults = {g: params[g]["defaultValue"] for g in GROUPS}
+    assert defaults["model"]["hidden_size"] == 2048 and defaults["store"]["backend"] == "minio"
+    assert len(json.dumps(defaults)) < 10_000
+    tasks = spec["root"]["dag"]["tasks"]
+    assert tasks["preflight"]["cachingOptions"] == {}  # caching off: the key is absent
+    assert tasks["train"]["cachingOptions"] == {"enableCache": True}
+    assert set(tasks) == {"tokenize", "preflight", "train", "validate", "evaluate"}
+    assert tasks["train"]["inputs"]["parameters"].keys() == {"model", "train", "cluster", "store"}
+    platform = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for executor in platform.values():
+        names = {s["secretName"] for s in executor["secretAsEnv"]}
+        assert names == {"liftoff-minio"}
+        assert executor["emptyDirMounts"][0]["mountPath"] == "/dev/shm"
+
+
+def test_upload_then_upload_again_is_a_noop(in_tmp, capsys):
+    with FakeKfp() as kfp:
+        assert main(["upload", f"kfp.host={kfp.url}"]) == 0
+        first = capsys.readouterr().out
+        assert "uploaded pipeline liftoff-pretrain version" in first
+        uploads = [r for r in kfp.requests if r["method"] == "POST"]
+        assert uploads[0]["path"] == "/apis/v2beta1/pipelines/upload"
+        assert b"liftoff-pretrain" in uploads[0]["body"] and b"pipelineInfo" in uploads[0]["body"]
+        assert uploads[1]["path"] == "/apis/v2beta1/pipelines/upload_version"
+        posts = len(uploads)
+        assert main(["upload", f"kfp.host={kfp.url}"]) == 0
+        assert "already uploaded; nothing to do" in capsys.readouterr().out
+        assert len([r for r in kfp.requests if r["method"] == "POST"]) == posts
+        assert main(["upload", f"kfp.host={kfp.url}", "train.lr=0.01"]) == 0  # new config: new version
+        assert "uploaded" in capsys.readouterr().out and len(kfp.versions["p1"]) == 3
+
+
+def test_submit_sweep_makes_one_run_per_job_in_one_experiment(in_tmp, capsys):
+    with FakeKfp() as kfp:
+        assert main(["submit", "-m", f"kfp.host={kfp.url}", "train.lr=0.001,0.003", "kfp.service_account=sa"]) == 0
+        assert len(kfp.runs) == 2 and len(kfp.experiments) == 1
+        experiment = next(iter(kfp.experiments.values()))
+        assert experiment["display_name"].startswith("liftoff-")
+        lrs = sorted(r["runtime_config"]["parameters"]["train"]["lr"] for r in kfp.runs)
+        assert lrs == [0.001, 0.003]
+        for run in kfp.runs:
+            assert run["experiment_id"] == experiment["experiment_id"] and run["service_account"] == "sa"
+            assert set(run["runtime_config"]["parameters"]) == set(GROUPS)
+            assert S3_SECRET_KEY not in json.dumps(run)
+            assert run["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "liftoff-pretrain"
+            assert "liftoff-minio" in json.dumps(run["pipeline_spec"]["platform_spec"])
+
+
+def test_submit_without_a_host_is_one_clear_line(in_tmp, capsys, monkeypatch):
+    monkeypatch.delenv("KF_PIPELINES_ENDPOINT", raising=False)
+    assert main(["submit"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "liftoff submit: no Kubeflow Pipelines endpoint: set kfp.host=URL or $KF_PIPELINES_ENDPOINT"
+
+
+def test_unreachable_kfp_host_is_one_clear_line(in_tmp, capsys):
+    from tests.conftest import free_port
+
+    assert main(["upload", f"kfp.host=http://127.0.0.1:{free_port()}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Kubeflow Pipelines at http://127.0.0.1:" in err
+    assert "Traceback" not in err
