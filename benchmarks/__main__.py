@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["tokenize", "reader"]
+BENCHMARKS = ["tokenize", "reader", "train_overhead", "checkpoint_async", "preflight_overhead", "pipeline_overhead"]
 
 
 def main(argv: list[str]) -> int:

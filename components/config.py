@@ -58,6 +58,7 @@ class DataConfig:
     hub_split: str = "train"
     text_field: str = "text"
     min_chars: int = 1  # documents shorter than this (after strip) are dropped
+    max_doc_bytes: int = 67108864  # a longer line in a text source is refused before loading
     dedup: bool = True  # drop exact duplicate documents
     val_fraction: float = 0.05
     split_seed: int = 0
@@ -121,7 +122,8 @@ class TrainConfig:
     checkpoint_keep: int = 2
     checkpoint_async: bool = False
     resume: str = "auto"  # auto | never | <checkpoint version>
-    run_dir: str = "runs"  # local checkpoints, logs and exports, one subdirectory per training identity
+    run_dir: str = "runs"  # logs, metrics and exports, one subdirectory per training identity
+    checkpoint_dir: str | None = None  # None: <run_dir>/<identity>/checkpoints; shared storage in a cluster
     loss_scaling: bool = False  # dynamic loss scaling (GradScaler); for fp16-range gradients
     log_interval: int = 1
     max_bad_steps: int = 3  # consecutive non-finite steps before rolling back

@@ -178,6 +178,7 @@ class Backend(Protocol):
     def get_bytes(self, key: str) -> bytes: ...  # NotFound when absent
     def get_file(self, key: str, dest: Path) -> None: ...
     def list_prefixes(self, prefix: str) -> list[str]: ...  # direct children "dirs" of prefix
+    def list_manifests(self, prefix: str) -> dict[str, float]: ...  # version -> manifest mtime, one listing
     def delete(self, key: str) -> None: ...
 
 
@@ -231,6 +232,18 @@ class LocalBackend:
         if not d.is_dir():
             return []
         return sorted(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def list_manifests(self, prefix: str) -> dict[str, float]:
+        d = self._path(prefix)
+        if not d.is_dir():
+            return {}
+        found = {}
+        for version in d.iterdir():
+            try:
+                found[version.name] = (version / MANIFEST).stat().st_mtime
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+        return found
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
@@ -343,6 +356,19 @@ class MinioBackend:
 
         return self._retry(op, f"list {prefix or '/'}")
 
+    def list_manifests(self, prefix: str) -> dict[str, float]:
+        full = self._key(prefix) + "/"
+
+        def op() -> dict[str, float]:
+            found = {}
+            for obj in self.client.list_objects(self.bucket, prefix=full, recursive=True):
+                version, _, rest = obj.object_name[len(full) :].partition("/")
+                if rest == MANIFEST:
+                    found[version] = obj.last_modified.timestamp()
+            return found
+
+        return self._retry(op, f"list {prefix}")
+
     def delete(self, key: str) -> None:
         self._retry(lambda: self.client.remove_object(self.bucket, self._key(key)), f"delete {key}")
 
@@ -440,10 +466,27 @@ class ArtifactStore:
                 return self.manifest(Ref(kind, name, version))
             except NotFound:
                 raise NotFound(f"no version {kind}/{name}@{version} in {self.description}") from None
-        found = self.versions(kind, name)
-        if not found:
-            raise NotFound(f"no version of {kind}/{name} in {self.description}")
-        return found[-1]
+        return self._latest(kind, name)
+
+    def _latest(self, kind: str, name: str) -> Manifest:
+        """The newest valid version from one listing: manifests are read only for the versions
+        written in the newest second (object stores time-stamp to the second), newest first."""
+        check_part(kind, "kind")
+        check_part(name, "name")
+        stamps = self.backend.list_manifests(f"{kind}/{name}")
+        while stamps:
+            newest = max(stamps.values())
+            recent = [v for v, t in stamps.items() if t >= newest - 1.0]
+            valid = []
+            for version in recent:
+                del stamps[version]
+                try:
+                    valid.append(self.manifest(Ref(kind, name, version)))
+                except (NotFound, IntegrityError, InvalidKey):
+                    continue
+            if valid:
+                return max(valid, key=lambda m: (m.created, m.ref.version))
+        raise NotFound(f"no version of {kind}/{name} in {self.description}")
 
     def ls(self, kind: str | None = None) -> Iterator[Manifest]:
         kinds = [kind] if kind else self.backend.list_prefixes("")

@@ -21,6 +21,7 @@ def preflight(
     """Fails the run when too few nodes are healthy or the plan does not fit; returns 'ok'."""
     import json
     import logging
+    import time
     from pathlib import Path
 
     from components.config import (
@@ -37,6 +38,7 @@ def preflight(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = group_from_dict(PreflightConfig, preflight)
     store_cfg = group_from_dict(StoreConfig, store)
+    started = time.perf_counter()
     result = run_preflight(
         json.loads(Path(dataset.path).read_text())["ref"],
         group_from_dict(ModelConfig, model),
@@ -46,6 +48,7 @@ def preflight(
         store_cfg,
         open_store(store_cfg),
     )
+    print(f"liftoff-stage preflight compute_s={time.perf_counter() - started:.3f}", flush=True)
     for node in result.nodes:
         for key, value in node.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "rank":

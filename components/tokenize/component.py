@@ -15,18 +15,21 @@ def tokenize(data: dict, tokenizer: dict, model: dict, store: dict, dataset: Out
     """
     import json
     import logging
+    import time
 
     from components.config import DataConfig, ModelConfig, StoreConfig, TokenizerConfig, group_from_dict
     from components.store import open_store
     from components.tokenize.stage import run_tokenize
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
     result = run_tokenize(
         group_from_dict(DataConfig, data),
         group_from_dict(TokenizerConfig, tokenizer),
         group_from_dict(ModelConfig, model),
         open_store(group_from_dict(StoreConfig, store)),
     )
+    print(f"liftoff-stage tokenize compute_s={time.perf_counter() - started:.3f}", flush=True)
     ref = str(result.manifest.ref)
     with open(dataset.path, "w") as f:
         json.dump({"ref": ref, "stats": result.stats, "reused": result.reused}, f, indent=2)

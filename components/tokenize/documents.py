@@ -39,15 +39,32 @@ def source_files(cfg: DataConfig) -> list[Path]:
 
 
 def source_fingerprint(cfg: DataConfig, files: list[Path]) -> str:
-    """Hash of the source content (or the hub name and revision) the documents come from."""
+    """Hash of the source content (or the hub name and revision) the documents come from.
+
+    The same streaming pass refuses a text file with a line longer than data.max_doc_bytes,
+    before `datasets` would hold that whole line in memory.
+    """
     h = hashlib.sha256()
     if files:
         for f in files:
             h.update(f.name.encode() + b"\0")
+            longest = current = 0  # bytes of the longest finished line, and of the line being read
             try:
                 with open(f, "rb") as fh:
                     while chunk := fh.read(1 << 20):
                         h.update(chunk)
+                        if f.suffix == ".parquet":
+                            continue
+                        parts = chunk.split(b"\n")
+                        current += len(parts[0])
+                        if len(parts) > 1:
+                            longest = max(longest, current, *(len(p) for p in parts[1:-1]))
+                            current = len(parts[-1])
+                        if max(longest, current) > cfg.max_doc_bytes:
+                            raise DataError(
+                                f"data.paths: {f} has a line longer than data.max_doc_bytes="
+                                f"{cfg.max_doc_bytes}; split it into documents or raise the limit"
+                            )
             except OSError as e:
                 raise DataError(f"data.paths: cannot read {f}: {e.strerror}") from None
     else:

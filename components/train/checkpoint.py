@@ -9,6 +9,7 @@ checkpoint.json verifies is ever resumed from. Loading unpickles nothing but an 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from components.store import sha256_file
@@ -154,17 +156,34 @@ class Checkpointer:
         if self.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)  # left by a process killed mid-save; never resumed from
         dist.barrier(group=self._pg)
-        tmp.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        torch.save(rank_state, tmp / f"rank{self.rank}.pt")
-        writer = FileSystemWriter(str(tmp), sync_files=True)
-        if self.async_save:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
-            self._pending = (future, tmp, step, meta)
-        else:
-            dcp.save(state, storage_writer=writer, process_group=self._pg)
-            self._finalize(tmp, step, meta)
+        with self._no_partial(tmp, step):
+            tmp.mkdir(parents=True, exist_ok=True)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            torch.save(rank_state, tmp / f"rank{self.rank}.pt")
+            writer = FileSystemWriter(str(tmp), sync_files=True)
+            if self.async_save:
+                future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
+                self._pending = (future, tmp, step, meta)
+            else:
+                dcp.save(state, storage_writer=writer, process_group=self._pg)
+                self._finalize(tmp, step, meta)
+
+    @contextlib.contextmanager
+    def _no_partial(self, tmp: Path, step: int):
+        """A failed save (a full disk, a dead peer) removes its partial directory and says so;
+        the finished checkpoints before it are never touched."""
+        try:
+            yield
+        except (Exception, DcpCheckpointException) as e:  # DCP's exception derives from BaseException
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(self.root).free / 1e6
+            lines = [ln for ln in str(e).strip().splitlines() if "Error" in ln] or [type(e).__name__]
+            first = lines[-1].strip()
+            raise CheckpointError(
+                f"checkpoint step-{step} could not be written to {self.root} ({free:.1f} MB free): "
+                f"{first}; earlier checkpoints are intact"
+            ) from e
 
     @property
     def has_pending(self) -> bool:
@@ -176,9 +195,10 @@ class Checkpointer:
     def finish_pending(self) -> None:
         if self._pending is not None:
             future, tmp, step, meta = self._pending
-            future.result()
             self._pending = None
-            self._finalize(tmp, step, meta)
+            with self._no_partial(tmp, step):
+                future.result()
+                self._finalize(tmp, step, meta)
 
     def _finalize(self, tmp: Path, step: int, meta: dict) -> None:
         dist.barrier(group=self._pg)
@@ -191,11 +211,17 @@ class Checkpointer:
             os.replace(tmp, final)
             _fsync_dir(self.root)
             log.info("checkpoint step-%d saved to %s", step, final)
-            for old in local_checkpoints(self.root)[self.keep :]:
-                shutil.rmtree(old, ignore_errors=True)
             if self.on_finished:
                 self.on_finished(final, meta)
+            self.prune()
         dist.barrier(group=self._pg)
+
+    def prune(self) -> None:
+        """Keep the newest `keep` checkpoints; one still being published waits for a later prune."""
+        busy = getattr(self.on_finished, "in_flight", set())
+        for old in local_checkpoints(self.root)[self.keep :]:
+            if old not in busy:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def load(ckpt: Path, model, optimizer, rank: int) -> dict:
@@ -216,29 +242,25 @@ class BackgroundPublisher:
     def __init__(self, publish: Callable[[Path, dict], None]):
         self._publish = publish
         self._threads: list[threading.Thread] = []
+        self.in_flight: set[Path] = set()  # not pruned until published
         self.errors: list[str] = []
 
     def __call__(self, path: Path, meta: dict) -> None:
-        copy = path.with_name(path.name + ".publishing")
-        shutil.copytree(path, copy, dirs_exist_ok=True)  # pruning may delete `path` meanwhile
+        self.in_flight.add(path)
+        previous = self._threads[-1] if self._threads else None
 
         def run() -> None:
+            if previous is not None:
+                previous.join()
             try:
-                self._publish(copy, meta)
+                self._publish(path, meta)
             except Exception as e:  # reported at the end of training, never kills it
                 self.errors.append(f"{path.name}: {e}")
                 log.warning("publishing checkpoint %s failed: %s", path.name, e)
             finally:
-                shutil.rmtree(copy, ignore_errors=True)
+                self.in_flight.discard(path)
 
-        previous = self._threads[-1] if self._threads else None
-
-        def ordered() -> None:
-            if previous is not None:
-                previous.join()
-            run()
-
-        t = threading.Thread(target=ordered, name=f"publish-{path.name}", daemon=True)
+        t = threading.Thread(target=run, name=f"publish-{path.name}", daemon=True)
         t.start()
         self._threads.append(t)
 

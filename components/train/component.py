@@ -20,6 +20,7 @@ def train(
     """Launch training with TorchX; returns the model reference `model/NAME@IDENTITY`."""
     import json
     import logging
+    import time
     from pathlib import Path
 
     from components.config import ClusterConfig, ModelConfig, StoreConfig, TrainConfig, group_from_dict
@@ -29,6 +30,7 @@ def train(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store_cfg = group_from_dict(StoreConfig, store)
+    started = time.perf_counter()
     result = run_train(
         json.loads(Path(dataset.path).read_text())["ref"],
         group_from_dict(ModelConfig, model),
@@ -37,6 +39,7 @@ def train(
         store_cfg,
         open_store(store_cfg),
     )
+    print(f"liftoff-stage train compute_s={time.perf_counter() - started:.3f}", flush=True)
     ref = str(result.model.ref)
     Path(trained_model.path).write_text(json.dumps({"ref": ref, **result.result}, indent=2))
     trained_model.metadata.update({"ref": ref, "identity": result.identity, "checkpoint": result.checkpoint_version})

@@ -6,10 +6,7 @@ import numpy as np
 import torch
 
 from components.tokenize.blocks import TokenBlocks
-
-
-class DataFitError(ValueError):
-    pass
+from components.train.inputs import DataFitError
 
 
 class BlockSampler:

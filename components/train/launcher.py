@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -115,7 +116,7 @@ def run_once(
     runner = get_runner()
     handle = runner.run(app, scheduler=cluster.scheduler.value, cfg=scheduler_cfg(cluster, log_dir))
     log.info("launched %s on %s: %s", name, cluster.scheduler.value, handle)
-    tails = {k: deque(maxlen=tail_lines) for k in range(cluster.nodes)}
+    tails = {k: deque(maxlen=tail_lines * 10) for k in range(cluster.nodes)}
 
     def stream(k: int) -> None:
         try:
@@ -136,16 +137,24 @@ def run_once(
     if status is None or status.state != AppState.SUCCEEDED:
         state = status.state.name if status else "UNKNOWN"
         failing = _failing_replica(status)
-        lines = "\n".join(
-            tails.get(failing, [])
-            if failing is not None
-            else [ln for k in sorted(tails) for ln in tails[k]][-tail_lines:]
-        )
+        seen = list(tails.get(failing, [])) if failing is not None else [ln for k in sorted(tails) for ln in tails[k]]
+        cause = root_cause(seen)
         raise LaunchError(
             f"{name} ended {state}"
             + (f"; replica {failing} failed" if failing is not None else "")
-            + f"; last log lines:\n{lines}"
+            + (f": {cause}" if cause else "")
+            + "; last log lines:\n"
+            + "\n".join(seen[-tail_lines:])
         )
+
+
+def root_cause(lines: list[str]) -> str | None:
+    """The worker's own exception line (`SomeError: message`), not torchrun's wrapper."""
+    for line in reversed(lines):
+        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
+        if m and m.group(1) not in ("ChildFailedError",):
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return None
 
 
 def _failing_replica(status) -> int | None:

@@ -39,8 +39,16 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Monitor:
-    def __init__(self, out_dir: Path, rank: int, world: int, spike_factor: float, straggler_z: float):
-        self.rank, self.world = rank, world
+    def __init__(
+        self,
+        out_dir: Path,
+        rank: int,
+        world: int,
+        spike_factor: float,
+        straggler_z: float,
+        tensorboard_interval: int = 1,
+    ):
+        self.rank, self.world, self.tb_interval = rank, world, tensorboard_interval
         self.spike_factor, self.straggler_z = spike_factor, straggler_z
         self.losses: deque[float] = deque(maxlen=50)
         self.step_times: list[float] = []
@@ -72,8 +80,10 @@ class Monitor:
         if self.rank != 0:
             return
         self._jsonl.write(json.dumps({"kind": "step", **record}) + "\n")
+        if record["step"] % self.tb_interval:
+            return
         for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "step" and value is not None:
+            if isinstance(value, (int, float)) and key not in ("step", "time") and value is not None:
                 self._tb.add_scalar(f"train/{key}", value, record["step"])
 
     def event(self, kind: str, **fields) -> None:

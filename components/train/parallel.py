@@ -26,6 +26,8 @@ def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
 
 
 def wrap(model: torch.nn.Module, parallelism: Parallelism, device: torch.device) -> torch.nn.Module:
+    if dist.get_world_size() == 1:
+        return model  # nothing to replicate or shard; DDP would only copy gradient buckets
     if parallelism == Parallelism.fsdp:
         from torch.distributed.fsdp import fully_shard
 

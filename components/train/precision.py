@@ -8,12 +8,9 @@ import logging
 import torch
 
 from components.config import Precision, TrainConfig
+from components.train.inputs import PrecisionError
 
 log = logging.getLogger(__name__)
-
-
-class PrecisionError(ValueError):
-    pass
 
 
 def fp8_eligible(name: str, module: torch.nn.Module) -> bool:

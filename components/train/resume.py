@@ -10,29 +10,9 @@ import torch.distributed as dist
 from components.config import ModelConfig
 from components.store import ArtifactStore, NotFound, Ref, StoreError
 from components.train import checkpoint as ckpt
+from components.train.inputs import ResumeError, check_shape
 
 log = logging.getLogger(__name__)
-
-
-class ResumeError(ValueError):
-    pass
-
-
-def check_shape(meta: dict, model: ModelConfig, where: str) -> None:
-    theirs = {k: v for k, v in meta.get("model", {}).items() if k != "name"}
-    ours = {k: v for k, v in _model_dict(model).items() if k != "name"}
-    diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
-    if diff:
-        raise ResumeError(
-            f"{where} was trained with another model shape: "
-            + ", ".join(f"{k}={a} there vs {b} here" for k, (a, b) in sorted(diff.items()))
-        )
-
-
-def _model_dict(model: ModelConfig) -> dict:
-    from dataclasses import asdict
-
-    return {k: v for k, v in asdict(model).items() if v is not None}
 
 
 def _newest_valid_local(root: Path, identity: str) -> Path | None:

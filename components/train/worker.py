@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     scaler = torch.amp.GradScaler(device.type) if tcfg.loss_scaling else None
 
     # checkpoints: resume, then save every interval, publish each to the store in the background
-    ckpt_root = run_dir / "checkpoints"
+    ckpt_root = Path(spec["checkpoint_dir"])
     publisher = None
     if rank == 0:
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             scaler.load_state_dict({**scaler.state_dict(), "scale": meta["scaler_scale"]})
         log.info("resumed from %s at step %d (data position %d)", resume_from, start_step, position)
 
-    monitor = Monitor(run_dir, rank, world, tcfg.loss_spike_factor, tcfg.straggler_zscore)
+    monitor = Monitor(run_dir, rank, world, tcfg.loss_spike_factor, tcfg.straggler_zscore, tcfg.log_interval)
     if rank == 0:
         monitor.event(
             "start",
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             "comm_s": comm_s,
             "forward_s": forward_s,
             "peak_memory_bytes": peak_memory_bytes(device),
+            "time": time.time(),
         }
         monitor.log_step(record)
         if rank == 0 and (step % tcfg.log_interval == 0 or step == tcfg.steps):
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     watchdog.stop()
     if rank == 0:
         publisher.join()
+        checkpointer.prune()
         final = ckpt.local_checkpoints(ckpt_root)[0]
         result = {
             "final_loss": last_loss,

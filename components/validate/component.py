@@ -11,6 +11,7 @@ def validate(trained_model: Input[Model], eval: dict, store: dict, verdict: Outp
     """Returns the validated model reference, for evaluate."""
     import json
     import logging
+    import time
     from pathlib import Path
 
     from components.config import EvalConfig, StoreConfig, group_from_dict
@@ -19,7 +20,9 @@ def validate(trained_model: Input[Model], eval: dict, store: dict, verdict: Outp
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ref = json.loads(Path(trained_model.path).read_text())["ref"]
+    started = time.perf_counter()
     result = run_validate(ref, group_from_dict(EvalConfig, eval), open_store(group_from_dict(StoreConfig, store)))
+    print(f"liftoff-stage validate compute_s={time.perf_counter() - started:.3f}", flush=True)
     for name, ok in result.checks.items():
         verdict.log_metric(f"check_{name}", 1.0 if ok else 0.0)
     for name, value in result.numbers.items():

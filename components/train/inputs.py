@@ -1,0 +1,81 @@
+"""Checks on the train stage's inputs, run before anything is launched (no torch needed)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from components.config import ClusterConfig, ModelConfig, Precision, TrainConfig
+from components.store import ArtifactStore, Ref
+from components.tokenize.blocks import load_stats
+
+
+class TrainInputError(ValueError):
+    pass
+
+
+class DataFitError(TrainInputError):
+    pass
+
+
+class PrecisionError(TrainInputError):
+    pass
+
+
+class ResumeError(TrainInputError):
+    pass
+
+
+def check_shape(meta: dict, model: ModelConfig, where: str) -> None:
+    """A checkpoint's recorded model shape must equal this run's."""
+    theirs = {k: v for k, v in meta.get("model", {}).items() if k != "name"}
+    ours = {k: v for k, v in asdict(model).items() if v is not None and k != "name"}
+    diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
+    if diff:
+        raise ResumeError(
+            f"{where} was trained with another model shape: "
+            + ", ".join(f"{k}={a} there vs {b} here" for k, (a, b) in sorted(diff.items()))
+        )
+
+
+def check_inputs(
+    data_dir: Path, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store: ArtifactStore
+) -> None:
+    """Everything that would fail training, checked before anything is launched."""
+    stats = load_stats(data_dir)
+    if model.vocab_size is not None and model.vocab_size < stats["vocab_size"]:
+        raise TrainInputError(
+            f"dataset/model vocab mismatch: the dataset's tokenizer has {stats['vocab_size']} "
+            f"tokens but model.vocab_size={model.vocab_size}"
+        )
+    if stats["seq_len"] > model.max_seq_len:
+        raise TrainInputError(
+            f"the dataset's blocks hold seq_len={stats['seq_len']} tokens, more than "
+            f"model.max_seq_len={model.max_seq_len}"
+        )
+    world = cluster.nodes * cluster.procs_per_node
+    per_step = train.micro_batch_size * train.grad_accum_steps * world
+    n_blocks = stats["splits"]["train"]["blocks"]
+    if n_blocks < per_step:
+        raise DataFitError(
+            f"train.micro_batch_size={train.micro_batch_size} x train.grad_accum_steps="
+            f"{train.grad_accum_steps} x world size {world} = {per_step} blocks per step, but the "
+            f"train split has only {n_blocks} blocks"
+        )
+    if train.precision == Precision.fp8:
+        head_dim = model.hidden_size // model.num_heads
+        dims = {
+            "hidden_size": model.hidden_size,
+            "kv projection": model.num_kv_heads * head_dim,
+            "ffn_hidden_size": model.ffn_hidden_size,
+        }
+        if model.hidden_size % 16:  # every block Linear has hidden_size as one of its dims
+            raise PrecisionError(
+                f"train.precision=fp8 but no Linear layer has both dims divisible by 16 "
+                f"({', '.join(f'{k}={v}' for k, v in dims.items())})"
+            )
+    if train.resume not in ("auto", "never"):
+        ref = Ref("checkpoint", model.name, train.resume)
+        if not store.exists(ref):
+            raise ResumeError(f"train.resume={train.resume}: no {ref} in {store.description}")
+        check_shape(store.manifest(ref).metadata, model, f"train.resume={train.resume}")
