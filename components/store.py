@@ -61,7 +61,7 @@ def check_part(part: str, what: str) -> str:
 
 def check_relpath(path: str) -> str:
     """A file path inside a version: relative, no empty, '.' or '..' parts."""
-    if not path or path.startswith("/") or "\\" in path:
+    if not path or path.startswith("/") or "\\" in path or "\0" in path:
         raise InvalidKey(f"invalid file path {path!r} in artifact: must be relative")
     for part in path.split("/"):
         if part in ("", ".", ".."):
@@ -190,6 +190,9 @@ class LocalBackend:
         self.description = f"local directory {self.root}"
 
     def _path(self, key: str) -> Path:
+        if "\0" in key:
+            raise InvalidKey(f"key {key!r} contains a NUL byte")
+        check_relpath(key)
         p = (self.root / key).resolve()
         if self.root not in p.parents:
             raise InvalidKey(f"key {key!r} escapes the store root {self.root}")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from omegaconf import OmegaConf
 
-from components.config import ConfigError, compose
+from components.config import compose
 
 
 def _split(args: list[str]) -> tuple[list[str], list[str]]:
@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return command(argv[1:])
-    except (HydraException, OmegaConfBaseException, ConfigError, UsageError, StoreError, KfpError) as e:
+    # ValueError covers ConfigError, UsageError and Hydra's own override errors
+    except (HydraException, OmegaConfBaseException, ValueError, StoreError, KfpError) as e:
         print(f"liftoff {argv[0]}: {_one_line(e)}", file=sys.stderr)
         return 2
 

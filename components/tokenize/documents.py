@@ -88,6 +88,13 @@ def load_documents(cfg: DataConfig, files: list[Path]):
     if cfg.text_field not in ds.column_names:
         raise DataError(f"data.text_field: column {cfg.text_field!r} not in the data; it has {ds.column_names}")
     ds = ds.select_columns([cfg.text_field])
+    try:
+        ds.data.table.column(cfg.text_field).validate(full=True)
+    except Exception as e:  # pyarrow.ArrowInvalid: the JSON/text readers pass bad bytes through
+        where = ", ".join(map(str, files)) or cfg.hub_name
+        raise DataError(
+            f"data.paths: cannot parse {where}: column {cfg.text_field!r} is not valid UTF-8 ({str(e).splitlines()[0]})"
+        ) from None
     return ds.rename_column(cfg.text_field, "text") if cfg.text_field != "text" else ds
 
 
