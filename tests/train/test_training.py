@@ -194,3 +194,18 @@ def test_metrics_jsonl_has_the_monitoring_fields(trainer):
     assert keys <= set(steps[0]) and 0 < steps[-1]["mfu"] < 1
     assert list((r.run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((r.run_dir / "result.json").read_text())["steps"] == 6
+
+
+def test_fsdp_bf16_async_checkpoints_on_two_nodes(trainer):
+    from components.config import EvalConfig
+    from components.validate.stage import run_validate
+
+    r = trainer.run(*TWO_NODES, "train.parallelism=fsdp", "train.precision=bf16", "train.checkpoint_async=true",
+                    "train.activation_checkpointing=true", "train.steps=30", "train.checkpoint_interval=10")
+    steps, _ = read_records(r.run_dir / "metrics.jsonl")
+    assert r.final_loss < 0.9 * steps[0]["loss"]
+    kept = ckpt.local_checkpoints(r.run_dir / "checkpoints")
+    assert [c.name for c in kept] == ["step-30", "step-20"] and all(ckpt.verify(c) for c in kept)
+    # the FSDP-sharded checkpoint and the gathered HF export hold the same weights
+    verdict = run_validate(str(r.model.ref), EvalConfig(loss_tolerance=1.0), trainer.store)
+    assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0
