@@ -22,10 +22,15 @@ def _split(args: list[str]) -> tuple[list[str], list[str]]:
     return [a for a in args if a not in overrides], overrides
 
 
-def cmd_config(args: list[str]) -> int:
+def _overrides_only(command: str, args: list[str]) -> list[str]:
     words, overrides = _split(args)
     if words:
-        raise UsageError(f"liftoff config takes only overrides, got {words[0]!r}")
+        raise UsageError(f"liftoff {command} takes only Hydra overrides (and -m for run/submit), got {words[0]!r}")
+    return overrides
+
+
+def cmd_config(args: list[str]) -> int:
+    overrides = _overrides_only("config", args)
     print(OmegaConf.to_yaml(compose(overrides)), end="")
     return 0
 
@@ -68,9 +73,7 @@ def cmd_plan(args: list[str]) -> int:
 
     from components.preflight.plan import fits, format_plan, plan
 
-    words, overrides = _split(args)
-    if words:
-        raise UsageError(f"liftoff plan takes only overrides, got {words[0]!r}")
+    overrides = _overrides_only("plan", args)
     cfg = OmegaConf.to_object(compose(overrides))
     vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
     world = cfg.cluster.nodes * cfg.cluster.procs_per_node
@@ -107,9 +110,7 @@ def cmd_run(args: list[str]) -> int:
     from pipelines.kfp_ops import expand_sweep, print_summary, run_local
 
     multi, args = _multirun(args)
-    words, overrides = _split(args)
-    if words:
-        raise UsageError(f"liftoff run takes only overrides and -m, got {words[0]!r}")
+    overrides = _overrides_only("run", args)
     jobs = expand_sweep(overrides) if multi else [overrides]
     configs = [compose(job) for job in jobs]  # every job's config is checked before the first runs
     rows = []
@@ -130,9 +131,7 @@ def cmd_compile(args: list[str]) -> int:
 
     from pipelines.kfp_ops import BUILD, compile_pipeline
 
-    words, overrides = _split(args)
-    if words:
-        raise UsageError(f"liftoff compile takes only overrides, got {words[0]!r}")
+    overrides = _overrides_only("compile", args)
     path = compile_pipeline(compose(overrides), Path(BUILD) / "pretrain.yaml")
     print(f"compiled {path}")
     return 0
@@ -141,9 +140,7 @@ def cmd_compile(args: list[str]) -> int:
 def cmd_upload(args: list[str]) -> int:
     from pipelines.kfp_ops import upload
 
-    words, overrides = _split(args)
-    if words:
-        raise UsageError(f"liftoff upload takes only overrides, got {words[0]!r}")
+    overrides = _overrides_only("upload", args)
     print(upload(compose(overrides)))
     return 0
 
@@ -152,9 +149,7 @@ def cmd_submit(args: list[str]) -> int:
     from pipelines.kfp_ops import expand_sweep, submit, sweep_name
 
     multi, args = _multirun(args)
-    words, overrides = _split(args)
-    if words:
-        raise UsageError(f"liftoff submit takes only overrides and -m, got {words[0]!r}")
+    overrides = _overrides_only("submit", args)
     jobs = expand_sweep(overrides) if multi else [overrides]
     configs = [compose(job) for job in jobs]
     experiment = configs[0].kfp.experiment or sweep_name(overrides)

@@ -200,8 +200,15 @@ def test_fsdp_bf16_async_checkpoints_on_two_nodes(trainer):
     from components.config import EvalConfig
     from components.validate.stage import run_validate
 
-    r = trainer.run(*TWO_NODES, "train.parallelism=fsdp", "train.precision=bf16", "train.checkpoint_async=true",
-                    "train.activation_checkpointing=true", "train.steps=30", "train.checkpoint_interval=10")
+    r = trainer.run(
+        *TWO_NODES,
+        "train.parallelism=fsdp",
+        "train.precision=bf16",
+        "train.checkpoint_async=true",
+        "train.activation_checkpointing=true",
+        "train.steps=30",
+        "train.checkpoint_interval=10",
+    )
     steps, _ = read_records(r.run_dir / "metrics.jsonl")
     assert r.final_loss < 0.9 * steps[0]["loss"]
     kept = ckpt.local_checkpoints(r.run_dir / "checkpoints")
