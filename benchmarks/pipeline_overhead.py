@@ -1,6 +1,8 @@
 """pipeline_overhead: wall time of `liftoff run` (the tiny experiment, all five stages through
-kfp.local, nothing cached) minus the sum of the stages' own compute time (each component
-prints `liftoff-stage NAME compute_s=...`). Target: overhead < 25% of the total."""
+kfp.local, nothing cached) minus the sum of the stages' own time (each component prints
+`liftoff-stage NAME compute_s=...`, measured from the first line of the component function,
+its library imports included, to the end of its work). What remains is orchestration: the CLI,
+kfp.local's task processes and executor, artifact passing. Target: overhead < 25% of the total."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """train_overhead: tokens/s of liftoff's training loop (monitoring, checks, logging and all,
 launched through TorchX) vs a bare PyTorch loop on the same model, data, precision and thread
 count. Both are wall-clock over the same steady-state steps (the last three quarters), so
-everything the loop does between steps counts. Target ratio >= 0.95.
+everything the loop does between steps counts; each side runs twice, interleaved, and the
+better run counts (this 2-core VM's noise is larger than the effect). Target ratio >= 0.95.
 """
 
 from __future__ import annotations
@@ -73,11 +74,16 @@ def main() -> None:
         cfg.store = StoreConfig(root=f"{tmp}/store", cache_dir=f"{tmp}/cache")
         store = open_store(cfg.store)
         ds = run_tokenize(cfg.data, cfg.tokenizer, cfg.model, store)
-        result = run_train(str(ds.manifest.ref), cfg.model, cfg.train, cfg.cluster, cfg.store, store)
-        steps, _ = read_records(result.run_dir / "metrics.jsonl")
-        ours = steady_rate([s["time"] for s in steps], cfg.train.micro_batch_size * cfg.data.seq_len)
         threads = max(1, os.cpu_count() or 1)
-        bare = bare_loop(cfg, ds.path, threads)
+        ours_runs, bare_runs = [], []
+        for attempt in range(2):
+            cfg.train.run_dir = f"{tmp}/runs-{attempt}"
+            result = run_train(str(ds.manifest.ref), cfg.model, cfg.train, cfg.cluster, cfg.store, store)
+            steps, _ = read_records(result.run_dir / "metrics.jsonl")
+            ours_runs.append(steady_rate([s["time"] for s in steps], cfg.train.micro_batch_size * cfg.data.seq_len))
+            bare_runs.append(bare_loop(cfg, ds.path, threads))
+        ours, bare = max(ours_runs), max(bare_runs)
+        print(f"runs: liftoff {[round(r) for r in ours_runs]}, bare {[round(r) for r in bare_runs]} tokens/s")
     print(f"liftoff step: {ours:,.0f} tokens/s; bare PyTorch loop: {bare:,.0f} tokens/s ({threads} threads)")
     report("train_overhead", ours, bare, "tokens/s")
 

@@ -349,8 +349,9 @@ def group_dicts(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     KFP parameters cannot hold None, so unset optional keys are left out;
     `group_from_dict` restores them from the schema, where every Optional defaults to None.
     """
-    return {g: _drop_none(OmegaConf.to_container(cfg[g], resolve=True, enum_to_str=True)) for g in GROUPS}
+    return {g: drop_none(OmegaConf.to_container(cfg[g], resolve=True, enum_to_str=True)) for g in GROUPS}
 
 
-def _drop_none(d: dict) -> dict:
-    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+def drop_none(d: dict) -> dict:
+    """Without its None values, recursively (KFP parameters cannot hold None)."""
+    return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}

@@ -9,8 +9,10 @@ from components import STAGE_IMAGE
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
 def evaluate(model_ref: str, eval: dict, store: dict, metrics: Output[Metrics], report: Output[HTML]) -> str:
     """Returns the evaluation's reference in the store."""
-    import logging
     import time
+
+    started = time.perf_counter()  # the stage's own time includes loading its libraries
+    import logging
     from pathlib import Path
 
     from components.config import EvalConfig, StoreConfig, group_from_dict
@@ -18,7 +20,6 @@ def evaluate(model_ref: str, eval: dict, store: dict, metrics: Output[Metrics], 
     from components.store import open_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    started = time.perf_counter()
     result = run_evaluate(model_ref, group_from_dict(EvalConfig, eval), open_store(group_from_dict(StoreConfig, store)))
     print(f"liftoff-stage evaluate compute_s={time.perf_counter() - started:.3f}", flush=True)
     for name, value in result.metrics.items():

@@ -19,9 +19,11 @@ def preflight(
     nodes: Output[Dataset],
 ) -> str:
     """Fails the run when too few nodes are healthy or the plan does not fit; returns 'ok'."""
+    import time
+
+    started = time.perf_counter()  # the stage's own time includes loading its libraries
     import json
     import logging
-    import time
     from pathlib import Path
 
     from components.config import (
@@ -38,7 +40,6 @@ def preflight(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = group_from_dict(PreflightConfig, preflight)
     store_cfg = group_from_dict(StoreConfig, store)
-    started = time.perf_counter()
     result = run_preflight(
         json.loads(Path(dataset.path).read_text())["ref"],
         group_from_dict(ModelConfig, model),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -17,13 +18,14 @@ from components.config import (
     Scheduler,
     StoreConfig,
     TrainConfig,
+    drop_none,
 )
 from components.preflight.plan import Plan, fits, format_plan, plan
 from components.preflight.verdict import NodeVerdict, judge
 from components.store import ArtifactStore, Ref
 from components.tokenize.blocks import load_stats
 from components.train.launcher import run_app
-from components.train.stage import drop_none, plain
+from components.train.stage import plain
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ def run_preflight(
 ) -> PreflightResult:
     t0 = time.perf_counter()
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    nodes_cluster = ClusterConfig(**{**plain_cluster(cluster), "procs_per_node": 1})
+    nodes_cluster = dataclasses.replace(cluster, procs_per_node=1)  # one replica per node
     spec = {
         "preflight": plain(cfg),
         "store": drop_none(plain(store_cfg)),
@@ -116,8 +118,8 @@ def run_preflight(
     healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes
     tflops, busbw = plan_inputs(healthy_nodes, train.precision)
     device_gb = cfg.device_memory_gb or min(n["device_memory_gb"] for n in nodes)
-    vocab = load_stats(store.fetch(store.manifest(Ref.parse(dataset))))["vocab_size"] if dataset else None
-    seq_len = load_stats(store.fetch(store.manifest(Ref.parse(dataset))))["seq_len"] if dataset else model.max_seq_len
+    stats = load_stats(store.fetch(store.manifest(Ref.parse(dataset)))) if dataset else {}
+    vocab, seq_len = stats.get("vocab_size"), stats.get("seq_len", model.max_seq_len)
     world = cluster.nodes * cluster.procs_per_node
     the_plan = plan(
         model,
@@ -136,12 +138,6 @@ def run_preflight(
         bad = [v for v in verdicts if not v.healthy]
         quarantine_nodes([v.host for v in bad], {v.host: v.reasons for v in bad})
     return result
-
-
-def plain_cluster(cluster: ClusterConfig) -> dict:
-    from dataclasses import asdict
-
-    return asdict(cluster)
 
 
 def gate(result: PreflightResult, cfg: PreflightConfig) -> None:

@@ -13,16 +13,17 @@ def tokenize(data: dict, tokenizer: dict, model: dict, store: dict, dataset: Out
     The artifact holds a pointer (ref.json) to the version in liftoff's store rather
     than a second copy of the blocks; downstream stages fetch it (cached, verified).
     """
+    import time
+
+    started = time.perf_counter()  # the stage's own time includes loading its libraries
     import json
     import logging
-    import time
 
     from components.config import DataConfig, ModelConfig, StoreConfig, TokenizerConfig, group_from_dict
     from components.store import open_store
     from components.tokenize.stage import run_tokenize
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    started = time.perf_counter()
     result = run_tokenize(
         group_from_dict(DataConfig, data),
         group_from_dict(TokenizerConfig, tokenizer),

@@ -18,9 +18,11 @@ def train(
     curves: Output[HTML],
 ) -> str:
     """Launch training with TorchX; returns the model reference `model/NAME@IDENTITY`."""
+    import time
+
+    started = time.perf_counter()  # the stage's own time includes loading its libraries
     import json
     import logging
-    import time
     from pathlib import Path
 
     from components.config import ClusterConfig, ModelConfig, StoreConfig, TrainConfig, group_from_dict
@@ -30,7 +32,6 @@ def train(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store_cfg = group_from_dict(StoreConfig, store)
-    started = time.perf_counter()
     result = run_train(
         json.loads(Path(dataset.path).read_text())["ref"],
         group_from_dict(ModelConfig, model),

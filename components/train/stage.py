@@ -9,7 +9,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from components.config import ClusterConfig, ModelConfig, TrainConfig
+from components.config import ClusterConfig, ModelConfig, TrainConfig, drop_none
 from components.store import ArtifactStore, Manifest, Ref
 from components.train.inputs import check_inputs
 from components.train.launcher import run_app
@@ -50,10 +50,6 @@ class TrainResult:
 
 def plain(cfg) -> dict:
     return json.loads(json.dumps(asdict(cfg), default=lambda v: getattr(v, "value", str(v))))
-
-
-def drop_none(d: dict) -> dict:
-    return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
 
 def training_identity(dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig) -> str:

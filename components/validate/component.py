@@ -9,9 +9,11 @@ from components import STAGE_IMAGE
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
 def validate(trained_model: Input[Model], eval: dict, store: dict, verdict: Output[Metrics]) -> str:
     """Returns the validated model reference, for evaluate."""
+    import time
+
+    started = time.perf_counter()  # the stage's own time includes loading its libraries
     import json
     import logging
-    import time
     from pathlib import Path
 
     from components.config import EvalConfig, StoreConfig, group_from_dict
@@ -20,7 +22,6 @@ def validate(trained_model: Input[Model], eval: dict, store: dict, verdict: Outp
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ref = json.loads(Path(trained_model.path).read_text())["ref"]
-    started = time.perf_counter()
     result = run_validate(ref, group_from_dict(EvalConfig, eval), open_store(group_from_dict(StoreConfig, store)))
     print(f"liftoff-stage validate compute_s={time.perf_counter() - started:.3f}", flush=True)
     for name, ok in result.checks.items():

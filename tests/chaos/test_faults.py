@@ -164,6 +164,6 @@ def test_full_checkpoint_disk_fails_clearly_and_keeps_earlier_checkpoints(traine
         kept = ckpt.local_checkpoints(root)
         assert kept and all(ckpt.verify(c)["step"] == ckpt.step_of(c) for c in kept)
         assert not list(root.glob("*.tmp"))
-        rec.happened(f"{message.splitlines()[-1][:90]}...; {[c.name for c in kept]} verify")
+        rec.happened(f"{message.splitlines()[0][:140]}...; {[c.name for c in kept]} verify")
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
