@@ -8,6 +8,7 @@ types cannot express and names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -350,6 +351,11 @@ def group_dicts(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     `group_from_dict` restores them from the schema, where every Optional defaults to None.
     """
     return {g: drop_none(OmegaConf.to_container(cfg[g], resolve=True, enum_to_str=True)) for g in GROUPS}
+
+
+def as_plain_dict(group) -> dict:
+    """A typed group as JSON-able values (enums by value): for specs, manifests and hashes."""
+    return json.loads(json.dumps(dataclasses.asdict(group), default=lambda v: getattr(v, "value", str(v))))
 
 
 def drop_none(d: dict) -> dict:

@@ -18,6 +18,7 @@ from components.config import (
     Scheduler,
     StoreConfig,
     TrainConfig,
+    as_plain_dict,
     drop_none,
 )
 from components.preflight.plan import Plan, fits, format_plan, plan
@@ -25,7 +26,6 @@ from components.preflight.verdict import NodeVerdict, judge
 from components.store import ArtifactStore, Ref
 from components.tokenize.blocks import load_stats
 from components.train.launcher import run_app
-from components.train.stage import plain
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ def run_preflight(
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     nodes_cluster = dataclasses.replace(cluster, procs_per_node=1)  # one replica per node
     spec = {
-        "preflight": plain(cfg),
-        "store": drop_none(plain(store_cfg)),
+        "preflight": as_plain_dict(cfg),
+        "store": drop_none(as_plain_dict(store_cfg)),
         "dataset": dataset,
         "name": f"{cluster.scheduler.value}-{cluster.nodes}n",
         "run_id": run_id,

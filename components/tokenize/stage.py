@@ -7,10 +7,10 @@ import json
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from components.config import DataConfig, ModelConfig, TokenizerConfig
+from components.config import DataConfig, ModelConfig, TokenizerConfig, as_plain_dict
 from components.store import ArtifactStore, Manifest, Ref
 from components.tokenize.blocks import SPLITS, BlockWriter
 from components.tokenize.documents import DataError, clean_and_split, load_documents, source_files, source_fingerprint
@@ -120,12 +120,8 @@ def run_tokenize(data: DataConfig, tok: TokenizerConfig, model: ModelConfig, sto
         out = Path(tmp) / "dataset"
         out.mkdir()
         stats = build_dataset(data, tok, model, files, out)
-        metadata = {"stats": stats, "data": _plain(data), "tokenizer": _plain(tok)}
+        metadata = {"stats": stats, "data": as_plain_dict(data), "tokenizer": as_plain_dict(tok)}
         manifest = store.publish("dataset", data.name, version, out, metadata=metadata)
         local = store.fetch(manifest)
     log.info("dataset %s: %s", ref, json.dumps({s: stats["splits"][s]["blocks"] for s in SPLITS}))
     return TokenizeResult(manifest, local, reused=False)
-
-
-def _plain(cfg) -> dict:
-    return json.loads(json.dumps(asdict(cfg), default=str))

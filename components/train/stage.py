@@ -6,10 +6,10 @@ import hashlib
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from components.config import ClusterConfig, ModelConfig, TrainConfig, drop_none
+from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_dict, drop_none
 from components.store import ArtifactStore, Manifest, Ref
 from components.train.inputs import check_inputs
 from components.train.launcher import run_app
@@ -48,15 +48,11 @@ class TrainResult:
     result: dict
 
 
-def plain(cfg) -> dict:
-    return json.loads(json.dumps(asdict(cfg), default=lambda v: getattr(v, "value", str(v))))
-
-
 def training_identity(dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig) -> str:
-    math = {k: v for k, v in plain(train).items() if k not in NOT_IDENTITY}
+    math = {k: v for k, v in as_plain_dict(train).items() if k not in NOT_IDENTITY}
     ident = {
         "dataset": dataset,
-        "model": drop_none(plain(model)),
+        "model": drop_none(as_plain_dict(model)),
         "train": math,
         "world": cluster.nodes * cluster.procs_per_node,
     }
@@ -72,9 +68,9 @@ def run_train(
     identity = training_identity(str(data_manifest.ref), model, train, cluster)
     run_dir = Path(train.run_dir).resolve() / identity
     spec = {
-        "train": plain(train),
-        "model": drop_none(plain(model)),
-        "store": drop_none(plain(store_cfg)),
+        "train": as_plain_dict(train),
+        "model": drop_none(as_plain_dict(model)),
+        "store": drop_none(as_plain_dict(store_cfg)),
         "dataset": str(data_manifest.ref),
         "identity": identity,
         "run_dir": str(run_dir),
@@ -96,7 +92,7 @@ def run_train(
             "final_loss": result["final_loss"],
             "steps": result["steps"],
             "identity": identity,
-            "train": plain(train),
+            "train": as_plain_dict(train),
         },
         parents=[str(data_manifest.ref), ckpt_ref],
     )
