@@ -21,7 +21,7 @@ def main() -> None:
     from components.train.optim import build_optimizer
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from components.train.launcher import free_port
+    from components.launcher import free_port
 
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -21,11 +21,11 @@ from components.config import (
     as_plain_dict,
     drop_none,
 )
+from components.launcher import run_app
 from components.preflight.plan import Plan, fits, format_plan, plan
 from components.preflight.verdict import NodeVerdict, judge
 from components.store import ArtifactStore, Ref
 from components.tokenize.blocks import load_stats
-from components.train.launcher import run_app
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from components.config import PreflightConfig, StoreConfig, group_from_dict
+from components.launcher import decode_spec
 from components.preflight import bench
 from components.store import Ref, open_store
-from components.train.launcher import decode_spec
 from components.train.parallel import init_distributed
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_dict, drop_none
+from components.launcher import run_app
 from components.store import ArtifactStore, Manifest, Ref
 from components.train.inputs import check_inputs
-from components.train.launcher import run_app
 
 log = logging.getLogger(__name__)
 

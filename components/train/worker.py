@@ -21,13 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from components.config import ModelConfig, Precision, StoreConfig, TrainConfig, group_from_dict
+from components.launcher import decode_spec
 from components.store import Ref, open_store
 from components.tokenize.blocks import load_stats, open_token_blocks
 from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.data import BlockSampler
 from components.train.export import export_hf
-from components.train.launcher import decode_spec
 from components.train.model import build_model, count_params, flops_per_token
 from components.train.monitor import Monitor, Watchdog, mfu, peak_memory_bytes
 from components.train.nonfinite import first_nonfinite_module

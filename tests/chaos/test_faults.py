@@ -13,9 +13,9 @@ import pytest
 from safetensors.torch import load_file
 
 from components.config import StoreBackend, StoreConfig
+from components.launcher import LaunchError
 from components.store import Ref, StoreUnreachable, open_store
 from components.train import checkpoint as ckpt
-from components.train.launcher import LaunchError
 from tests.chaos.conftest import TcpProxy, kill_tree
 from tests.conftest import CORPUS, Trainer
 from tests.test_store import make_tree

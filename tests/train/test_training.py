@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from components.launcher import LaunchError
 from components.train import checkpoint as ckpt
 from components.train.data import DataFitError
-from components.train.launcher import LaunchError
 from components.train.precision import PrecisionError
 from components.train.report import read_records
 from components.train.resume import ResumeError, _decide

@@ -1,4 +1,5 @@
-"""TorchX launch: `dist.ddp` (torchrun) with -j NODESxPROCS on local_cwd or kubernetes (Volcano)."""
+"""TorchX launch, shared by train and preflight: `dist.torchrun` with -j NODESxPROCS on
+local_cwd or kubernetes (Volcano)."""
 
 from __future__ import annotations
 
