@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -155,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         data_s = fwd_bwd_s = forward_s = 0.0
         loss_sum = torch.zeros((), dtype=torch.float64)
-        batches = []
+        first_batch = None  # replayed to name the culprit module if the step turns out non-finite
         for micro in range(tcfg.grad_accum_steps):
             t_data = time.perf_counter()
             batch = sampler.batch(position, device)
-            batches.append(batch)
+            first_batch = batch if first_batch is None else first_batch
             position += 1
             t_fb = time.perf_counter()
             data_s += t_fb - t_data
@@ -179,15 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         step_loss = float(agreed[0]) / world
         t_opt = time.perf_counter()
         set_lr(optimizer, lr_at(step - 1, tcfg))
-        grad_norm, stepped = clip_and_step(model, optimizer, tcfg.grad_clip, scaler)
-        stepped = stepped and torch.isfinite(torch.tensor(step_loss)).item()
+        if math.isfinite(step_loss):  # every rank has the same all-reduced loss, so all take one branch
+            grad_norm, stepped = clip_and_step(model, optimizer, tcfg.grad_clip, scaler)
+        else:  # a non-finite loss never reaches the optimizer, whatever the gradients look like
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+            grad_norm, stepped = float("nan"), False
         opt_s = time.perf_counter() - t_opt
         if stepped:
             bad_in_row, last_loss = 0, step_loss
         else:
             skipped += 1
             bad_in_row += 1
-            culprit = first_nonfinite_module(model, lambda b=batches[0]: micro_loss(b))
+            culprit = first_nonfinite_module(model, lambda b=first_batch: micro_loss(b))
             monitor.event(
                 "nonfinite_step",
                 step=step,
@@ -231,15 +237,16 @@ def main(argv: list[str] | None = None) -> int:
         if checkpointer.has_pending and agreed[1] == 0:
             checkpointer.finish_pending()  # every rank's async save is on disk: publish it atomically
         if bad_in_row >= tcfg.max_bad_steps:
-            target = ckpt.local_checkpoints(ckpt_root)
-            if not target:
+            checkpointer.finish_pending()
+            # the same choice as resume: the newest checkpoint whose hashes verify, local or stored
+            target = find_resume_checkpoint("auto", ckpt_root, store, mcfg, spec["identity"], rank)
+            if target is None:
                 raise RuntimeError(
                     f"{bad_in_row} non-finite steps in a row (train.max_bad_steps="
                     f"{tcfg.max_bad_steps}) and no checkpoint to roll back to"
                 )
-            checkpointer.finish_pending()
-            ckpt.load(target[0], model, optimizer, rank)
-            monitor.event("rollback", step=step, to=target[0].name, data_position_kept=position)
+            ckpt.load(target, model, optimizer, rank)
+            monitor.event("rollback", step=step, to=target.name, data_position_kept=position)
             bad_in_row = 0
         if step % tcfg.checkpoint_interval == 0 or step == tcfg.steps:
             meta = {
