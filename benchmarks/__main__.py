@@ -7,7 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["tokenize", "reader", "train_overhead", "checkpoint_async", "preflight_overhead", "pipeline_overhead"]
+BENCHMARKS = [
+    "tokenize",
+    "reader",
+    "train_overhead",
+    "checkpoint_async",
+    "planner_accuracy",
+    "preflight_overhead",
+    "pipeline_overhead",
+]
 
 
 def main(argv: list[str]) -> int:

@@ -89,24 +89,12 @@ class ModelConfig:
 
 
 @dataclass
-class FaultConfig:
-    """Test-only fault injection: each default leaves training untouched."""
-
-    nan_steps: list[int] = field(default_factory=list)  # steps whose forward pass turns non-finite
-    kill_rank: int = -1  # this rank SIGKILLs itself at kill_step, on the first attempt only
-    kill_step: int = -1
-    slow_rank: int = -1  # this rank sleeps slow_seconds every step
-    slow_seconds: float = 0.0
-    hang_rank: int = -1  # this rank stops making progress at hang_step
-    hang_step: int = -1
-
-
-@dataclass
 class TrainConfig:
     precision: Precision = Precision.fp32
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
     activation_checkpointing: bool = False
     ac_every_n_blocks: int = 1  # checkpoint every n-th transformer block
+    compile: bool | None = None  # torch.compile per block; None: on GPU, off on CPU
     parallelism: Parallelism = Parallelism.ddp
     micro_batch_size: int = 8
     grad_accum_steps: int = 1
@@ -133,7 +121,6 @@ class TrainConfig:
     straggler_zscore: float = 5.0
     watchdog_timeout_s: float = 600.0
     peak_tflops: float | None = None  # device peak for MFU; None: preflight's measure
-    faults: FaultConfig = field(default_factory=FaultConfig)
 
 
 @dataclass
@@ -149,7 +136,6 @@ class PreflightConfig:
     memory_safety: float = 0.9
     device_memory_gb: float | None = None  # None: measured (GPU) or host memory (CPU)
     quarantine: bool = False
-    throttle_node: int = -1  # test-only: this node's GEMMs run slower, as a degraded device would
 
 
 @dataclass

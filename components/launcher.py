@@ -17,6 +17,9 @@ from pathlib import Path
 from components.config import ClusterConfig, Scheduler
 
 log = logging.getLogger(__name__)
+# A module a worker imports when this is set in its environment and calls `install(...)` on:
+# how tests inject faults (a NaN, a dead or slow rank, a degraded node) into real runs.
+PLUGIN_ENV = "LIFTOFF_WORKER_PLUGIN"
 
 
 class LaunchError(RuntimeError):

@@ -90,14 +90,18 @@ def dataset_store(tmp_path_factory) -> Path:
 
 class Trainer:
     def __init__(self, dataset_store: Path, tmp: Path):
-        self.tmp = tmp
+        self.tmp, self.dataset_store = tmp, dataset_store
         shutil.copytree(dataset_store / "store", tmp / "store")
         self.store_cfg = StoreConfig(root=str(tmp / "store"), cache_dir=str(tmp / "cache"))
         self.store = open_store(self.store_cfg)
         self.dataset = str(next(iter(self.store.ls("dataset"))).ref)
 
+    # One fp32 process: fast runs for the tests of everything but precision and distribution;
+    # the tests of the shipped 2-node fp8 default name those settings themselves.
+    FAST = ("cluster.nodes=1", "train.precision=fp32", "train.activation_checkpointing=false")
+
     def config(self, *overrides: str):
-        base = [f"data.paths=[{CORPUS}]", f"train.run_dir={self.tmp / 'runs'}", "train.log_interval=1"]
+        base = [f"data.paths=[{CORPUS}]", f"train.run_dir={self.tmp / 'runs'}", "train.log_interval=1", *self.FAST]
         return OmegaConf.to_object(compose([*base, *overrides]))
 
     def run(self, *overrides: str):

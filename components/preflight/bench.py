@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from components.precision import Recipe
+
 
 def _timed(fn, iters: int, device: torch.device) -> float:
     fn()  # warm-up
@@ -26,43 +28,9 @@ def _timed(fn, iters: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def fp8_supported(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    try:
-        a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
-        one = torch.tensor(1.0, device=device)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def gemm_tflops(size: int, dtype: str, iters: int, device: torch.device, throttle_s: float = 0.0) -> float:
-    """Achieved TFLOP/s of a size x size x size matmul (2·n³ FLOPs)."""
-    torch.manual_seed(0)
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
-    if dtype == "fp8":
-        a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().t().to(torch.float8_e4m3fn)
-        one = torch.tensor(1.0, device=device)
-
-        def op():
-            torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    else:
-        dt = torch.float32 if dtype == "fp32" else torch.bfloat16
-        a, b = a.to(dt), b.to(dt)
-
-        def op():
-            torch.mm(a, b)
-
-    def throttled():
-        op()
-        if throttle_s:
-            time.sleep(throttle_s)
-
-    seconds = _timed(throttled, iters, device)
-    return 2 * size**3 / seconds / 1e12
+def gemm_tflops(precision: Recipe, size: int, iters: int, device: torch.device) -> float:
+    """Achieved TFLOP/s of the precision's size x size x size matmul (2·n³ FLOPs)."""
+    return 2 * size**3 / _timed(precision.gemm(size, device), iters, device) / 1e12
 
 
 def memory_bandwidth_gbps(megabytes: int, iters: int, device: torch.device) -> float:

@@ -5,18 +5,25 @@ h = hidden, L = layers, a = heads):
 
 - Parameters N: embeddings V·h, per block q,o: h·h, k,v: h·(kv_heads·h/a), MLP 3·h·ffn,
   two RMSNorms 2·h; final norm h; output head V·h unless tied.
-- Weights: this trainer keeps fp32 master weights as the parameters (4 B/param); bf16
-  autocast caches a bf16 copy of every Linear weight in the forward (2 B/param); fp8 keeps
-  an fp8 copy of each eligible weight and its transpose for backward (2 x 1 B/param).
+- Weights: this trainer keeps fp32 master weights as the parameters (4 B/param). Compute
+  copies come from the precision recipe (`components/precision`): under DDP, bf16 autocast
+  caches a bf16 copy of every Linear weight for the step (2 B/param), while fp8 casts of the
+  Float8Linear weights are transient; under FSDP the unsharded parameters of the root (kept
+  through the step) and of two blocks (computing + prefetched) exist at the compute dtype
+  (fp8 all-gather: 1 B for the Float8Linear weights).
 - Gradients: fp32, 4 B/param. AdamW: two fp32 moments, 8 B/param, plus one fp32 `step`
   scalar per parameter tensor. Mixed-precision references: fp16/bf16 weights 2 B/param;
   fp32 master + two moments 12 B/param (7B: 14 GB of weights, 84 GB of optimizer state,
   10.5 GB per rank over 8 ranks).
 - DDP replicates everything; FSDP shards weights, gradients and optimizer state over W.
-- Activations per block (Korthikanti et al. 2022, 2-byte activations):
-  s·b·h·(34 + 5·a·s/h) bytes, scaled by the compute dtype's bytes / 2. With activation
-  checkpointing a checkpointed block keeps only its input (2·s·b·h · dtype/2), and one block's
-  full activations are live during its recompute. Plus the logits: s·b·V·4 bytes (fp32 loss).
+- Activations: what autograd saves for backward, per token (T = s·b tokens per micro-batch).
+  A Llama block with SDPA (flash attention: no s x s scores, no dropout) saves
+  `act_bytes_per_hidden`·h + `act_bytes_per_ffn`·ffn + 4·a (log-sum-exp) + 8 bytes per token
+  (the recipe's coefficients, counted with saved_tensors_hooks: fp32 40·h + 16·ffn; bf16 and
+  fp8 34·h + 8·ffn, the residual stream and RMSNorm internals staying fp32). The head saves
+  4·V (fp32 log-softmax for the loss) + `head_bytes_per_hidden`·h + 36. With activation
+  checkpointing a checkpointed block keeps only its fp32 input (4·h per token), and one
+  block's full activations are live again while it is recomputed in backward.
 - FLOPs per token: 6N + 12·L·a·(h/a)·s (PaLM's MFU accounting).
 - Step time: compute = FLOPs per device per step / achieved TFLOP/s of the compute dtype;
   communication = DDP all-reduce of 4N gradient bytes: 4N·2(W-1)/W / busbw, or FSDP
@@ -29,10 +36,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from components.config import ModelConfig, Parallelism, Precision, TrainConfig
+from components.config import ModelConfig, Parallelism, TrainConfig
+from components.precision import Recipe, fp8_eligible_dims, recipe
 
 GB = 1e9
-DTYPE_BYTES = {Precision.fp32: 4, Precision.bf16: 2, Precision.fp8: 2}  # fp8 training keeps bf16/fp32 activations
 
 
 def weights_bytes(n_params: float, dtype: str) -> float:
@@ -53,7 +60,7 @@ def param_tensors(model: ModelConfig) -> list[tuple[str, int, bool]]:
     h, v = model.hidden_size, model.vocab_size or 0
     head_dim = h // model.num_heads
     kv = model.num_kv_heads * head_dim
-    eligible = lambda i, o: i % 16 == 0 and o % 16 == 0  # noqa: E731
+    eligible = fp8_eligible_dims
     out = [("embed", v * h, False)]
     for _ in range(model.num_layers):
         for i, o in [
@@ -66,7 +73,7 @@ def param_tensors(model: ModelConfig) -> list[tuple[str, int, bool]]:
             (model.ffn_hidden_size, h),
         ]:
             out.append(("linear", i * o, eligible(i, o)))
-        out += [("norm", h, False), ("norm", h, False)]
+        out += [("block_norm", h, False), ("block_norm", h, False)]
     out.append(("norm", h, False))
     if not model.tie_embeddings:
         out.append(("lm_head", v * h, False))
@@ -95,6 +102,45 @@ class Plan:
         return asdict(self)
 
 
+def weight_copies(
+    tensors: list[tuple[str, int, bool]], layers: int, precision: Recipe, train: TrainConfig, recompute: bool = True
+) -> float:
+    """Bytes of compute copies of the weights live during a step, per device. Under DDP a
+    checkpointed block saves no copies (autocast casts again in its recompute), so only the
+    blocks without checkpointing hold them, plus (if `recompute`) the block being recomputed."""
+    fsdp = train.parallelism == Parallelism.fsdp
+
+    def cost(kinds: tuple[str, ...]) -> float:
+        return sum(
+            n * precision.copy_bytes(kind in ("linear", "lm_head"), fp8, fsdp, train)
+            for kind, n, fp8 in tensors
+            if kind in kinds
+        )
+
+    root = cost(("embed", "norm", "lm_head"))
+    blocks = cost(("linear", "block_norm"))
+    if fsdp:
+        return root + min(2, layers) * blocks / layers
+    if not train.activation_checkpointing:
+        return root + blocks
+    kept = -(-layers // train.ac_every_n_blocks)
+    return root + blocks * (layers - kept + (1 if recompute else 0)) / layers
+
+
+def activation_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, recompute: bool = True) -> float:
+    """Bytes saved for backward by one micro-batch's forward, per device; with activation
+    checkpointing plus (if `recompute`) one block's activations live during its recompute."""
+    precision = recipe(train.precision)
+    h, f, a, L = model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_layers
+    tokens = seq_len * train.micro_batch_size
+    block = tokens * (precision.act_bytes_per_hidden * h + precision.act_bytes_per_ffn * f + 4 * a + 8)
+    head = tokens * (4 * (model.vocab_size or 0) + precision.head_bytes_per_hidden * h + 36)
+    if not train.activation_checkpointing:
+        return L * block + head
+    kept = -(-L // train.ac_every_n_blocks)  # checkpointed blocks keep their fp32 input only
+    return kept * tokens * 4 * h + (L - kept) * block + head + (block if recompute else 0.0)
+
+
 def plan(
     model: ModelConfig,
     train: TrainConfig,
@@ -109,23 +155,15 @@ def plan(
         model = ModelConfig(**{**asdict(model), "vocab_size": vocab_size})
     tensors = param_tensors(model)
     n = sum(t[1] for t in tensors)
-    n_linear = sum(t[1] for t in tensors if t[0] == "linear")
-    n_fp8 = sum(t[1] for t in tensors if t[2])
     shard = world if train.parallelism == Parallelism.fsdp else 1
     weights = 4 * n / shard
     grads = 4 * n / shard
     optimizer = (8 * n + 4 * len(tensors)) / shard
-    copies = {Precision.fp32: 0, Precision.bf16: 2 * n_linear, Precision.fp8: 2 * n_fp8}[train.precision] / shard
-    h, a, s, b, L = model.hidden_size, model.num_heads, seq_len, train.micro_batch_size, model.num_layers
-    scale = DTYPE_BYTES[train.precision] / 2
-    block = s * b * h * (34 + 5 * a * s / h) * scale
-    if train.activation_checkpointing:
-        kept = -(-L // train.ac_every_n_blocks)
-        acts = kept * 2 * s * b * h * scale + (L - kept) * block + block
-    else:
-        acts = L * block
-    acts += s * b * (model.vocab_size or 0) * 4
+    precision = recipe(train.precision)
+    copies = weight_copies(tensors, model.num_layers, precision, train)
+    acts = activation_bytes(model, train, seq_len)
     total = weights + grads + optimizer + copies + acts
+    h, a, s, b, L = model.hidden_size, model.num_heads, seq_len, train.micro_batch_size, model.num_layers
     head_dim = h // a
     n_no_embed = n - (model.vocab_size or 0) * h
     fpt = 6 * n_no_embed + 12 * L * a * head_dim * s

@@ -22,6 +22,7 @@ from components.config import (
     drop_none,
 )
 from components.launcher import run_app
+from components.precision import recipe
 from components.preflight.plan import Plan, fits, format_plan, plan
 from components.preflight.verdict import NodeVerdict, judge
 from components.store import ArtifactStore, Ref
@@ -53,9 +54,7 @@ class PreflightResult:
 
 def plan_inputs(nodes: list[dict], precision: Precision) -> tuple[float, float | None]:
     """Achieved TFLOP/s of the compute dtype (slowest node) and the largest message's bus bandwidth."""
-    key = {Precision.fp32: "gemm_tflops_fp32", Precision.bf16: "gemm_tflops_bf16", Precision.fp8: "gemm_tflops_fp8"}[
-        precision
-    ]
+    key = f"gemm_tflops_{recipe(precision).name}"
     if not all(key in n for n in nodes):
         key = "gemm_tflops_bf16"
     tflops = min(n[key] for n in nodes)

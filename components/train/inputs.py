@@ -1,11 +1,12 @@
-"""Checks on the train stage's inputs, run before anything is launched (no torch needed)."""
+"""Checks on the train stage's inputs, run before anything is launched."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
 
-from components.config import ClusterConfig, ModelConfig, Precision, TrainConfig
+from components.config import ClusterConfig, ModelConfig, TrainConfig
+from components.precision import recipe
 from components.store import ArtifactStore, Ref
 from components.tokenize.blocks import load_stats
 
@@ -15,10 +16,6 @@ class TrainInputError(ValueError):
 
 
 class DataFitError(TrainInputError):
-    pass
-
-
-class PrecisionError(TrainInputError):
     pass
 
 
@@ -62,18 +59,7 @@ def check_inputs(
             f"{train.grad_accum_steps} x world size {world} = {per_step} blocks per step, but the "
             f"train split has only {n_blocks} blocks"
         )
-    if train.precision == Precision.fp8:
-        head_dim = model.hidden_size // model.num_heads
-        dims = {
-            "hidden_size": model.hidden_size,
-            "kv projection": model.num_kv_heads * head_dim,
-            "ffn_hidden_size": model.ffn_hidden_size,
-        }
-        if model.hidden_size % 16:  # every block Linear has hidden_size as one of its dims
-            raise PrecisionError(
-                f"train.precision=fp8 but no Linear layer has both dims divisible by 16 "
-                f"({', '.join(f'{k}={v}' for k, v in dims.items())})"
-            )
+    recipe(train.precision).check_model(model)
     if train.resume not in ("auto", "never"):
         ref = Ref("checkpoint", model.name, train.resume)
         if not store.exists(ref):

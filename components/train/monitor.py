@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from components.devices import peak_tflops
 from components.robust import leave_one_out_z
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,106 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: peak resident set
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak from its name; None on CPU (MFU is then omitted)."""
+    if device.type != "cuda":
+        return None
+    return peak_tflops(torch.cuda.get_device_name(device))
+
+
+class DeviceTimer:
+    """Accumulates the time of the `with` blocks it wraps. On a GPU it records CUDA events
+    and reads them only when asked (after the step's own sync), so timing adds no sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._spans: list = []
+        self._cpu_s = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._spans.append([start, None])
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._spans[-1][1] = end
+        else:
+            self._cpu_s += time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return sum(s.elapsed_time(e) for s, e in self._spans) / 1e3
+        return self._cpu_s
+
+
+class StepLine:
+    """torchtitan's step line: loss, tokens/s averaged over the log interval, MFU, peak memory
+    (GiB and % of the device), step time and ETA."""
+
+    def __init__(
+        self,
+        steps: int,
+        interval: int,
+        flops_per_token: float,
+        peak: float | None,
+        world: int,
+        device: torch.device,
+    ):
+        self.steps, self.interval, self.flops_per_token = steps, interval, flops_per_token
+        self.peak, self.world = peak, world
+        self.device_bytes = device_memory_bytes(device)
+        self._window: list[dict] = []
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return mfu(tokens_per_s, self.flops_per_token, self.peak, self.world)
+
+    def add(self, record: dict) -> str | None:
+        """The line to log at this step, or None between log intervals."""
+        self._window.append(record)
+        step = record["step"]
+        if step % self.interval and step != self.steps:
+            return None
+        window, self._window = self._window, []
+        seconds = sum(r["step_s"] for r in window)
+        tps = sum(r["tokens_per_s"] * r["step_s"] for r in window) / seconds
+        step_s = seconds / len(window)
+        mem = record["peak_memory_bytes"]
+        parts = [
+            f"step {step}/{self.steps}",
+            f"loss {record['loss']:.4f}",
+            f"grad_norm {record['grad_norm']:.3f}",
+            f"lr {record['lr']:.2e}",
+            f"{tps:,.0f} tokens/s",
+        ]
+        if (m := self.mfu(tps)) is not None:
+            parts.append(f"MFU {m:.1%}")
+        parts += [
+            f"mem {mem / 2**30:.2f} GiB ({mem / self.device_bytes:.0%})",
+            f"step {step_s:.3f}s",
+            f"ETA {_duration(step_s * (self.steps - step))}",
+        ]
+        return "  ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
 
 
 class Monitor:

@@ -6,13 +6,13 @@ from collections.abc import Callable
 
 import torch
 
-_WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod")  # activation checkpointing, torch.compile
 
 
 def clean_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """The module's name in the plain model, without what DDP, AC and compile wrap around it."""
+    parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
+    return ".".join(parts[1:] if parts[:1] == ["module"] else parts)
 
 
 def _nonfinite(output) -> bool:

@@ -1,7 +1,8 @@
-"""Process group and data parallelism: DDP (default) or FSDP2 `fully_shard`."""
+"""Process group, compile and data parallelism: DDP (default) or FSDP2 `fully_shard`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from components.config import Parallelism
+from components.precision import Recipe
 from components.train.model import transformer_blocks
 
 
@@ -25,16 +27,29 @@ def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def wrap(model: torch.nn.Module, parallelism: Parallelism, device: torch.device) -> torch.nn.Module:
-    if dist.get_world_size() == 1:
-        return model  # nothing to replicate or shard; DDP would only copy gradient buckets
-    if parallelism == Parallelism.fsdp:
+def apply_compile(model: torch.nn.Module) -> None:
+    """torch.compile each transformer block (as torchtitan): identical blocks share one
+    compiled graph, and a graph break stays inside one block."""
+    blocks = transformer_blocks(model)
+    for i in range(len(blocks)):
+        blocks[i] = torch.compile(blocks[i], fullgraph=True)
+
+
+def wrap(model: torch.nn.Module, parallelism: Parallelism, device: torch.device, precision: Recipe) -> torch.nn.Module:
+    if parallelism == Parallelism.fsdp and dist.get_world_size() > 1:
         from torch.distributed.fsdp import fully_shard
 
+        kwargs = {}
+        if (policy := precision.fsdp_mp_policy()) is not None:
+            kwargs["mp_policy"] = policy
         for block in transformer_blocks(model):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **kwargs)
+        # the root's parameters (embeddings, final norm, head) are needed again right at the
+        # start of backward: keep them unsharded after forward
+        fully_shard(model, reshard_after_forward=False, **kwargs)
         return model
+    if dist.get_world_size() == 1:
+        return model  # nothing to replicate or shard; DDP would only copy gradient buckets
     from torch.nn.parallel import DistributedDataParallel
 
     # Buffers (rotary frequencies) are identical constants on every rank: broadcasting them
@@ -44,5 +59,12 @@ def wrap(model: torch.nn.Module, parallelism: Parallelism, device: torch.device)
     )
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") and hasattr(model, "no_sync") else model
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Gradient accumulation: reduce gradients only on the last micro-batch. DDP has
+    `no_sync()`; FSDP2 has `set_requires_gradient_sync` instead."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if enabled or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()

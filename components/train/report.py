@@ -31,6 +31,8 @@ def final_metrics(path: Path) -> dict[str, float]:
         "loss_spikes": sum(e["kind"] == "loss_spike" for e in events),
         "stragglers_reported": sum(e["kind"] == "straggler" for e in events),
     }
+    start = next((e for e in events if e["kind"] == "start"), {})
+    out["float8_linear_count"] = start.get("float8_linear_count", 0)  # read from the model that trained
     mfus = [s["mfu"] for s in tail if s.get("mfu") is not None]
     if mfus:
         out["mfu"] = statistics.median(mfus)

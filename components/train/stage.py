@@ -32,7 +32,7 @@ NOT_IDENTITY = {
     "straggler_zscore",
     "watchdog_timeout_s",
     "peak_tflops",
-    "faults",
+    "compile",
     "activation_checkpointing",
     "ac_every_n_blocks",
 }
@@ -93,6 +93,9 @@ def run_train(
             "steps": result["steps"],
             "identity": identity,
             "train": as_plain_dict(train),
+            "precision": result["precision"],
+            "float8_linear_count": result["float8_linear_count"],
+            "float8_linear_modules": result["float8_linear_modules"],
         },
         parents=[str(data_manifest.ref), ckpt_ref],
     )

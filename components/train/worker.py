@@ -1,116 +1,135 @@
 """The training process torchrun starts on every rank: `python -m components.train.worker --spec-b64 ...`.
 
-The loop reads top to bottom: batch -> forward/backward per micro-batch -> agree on the loss
-across ranks -> unscale, clip, step (or skip a non-finite step) -> log -> checkpoint.
+`main` reads top to bottom: set up the job -> resume -> for each step: `train_step`, log,
+`checkpoint_or_rollback` -> `finish` (export, result). `train_step` is the whole step on one
+screen: micro-batches forward/backward, all ranks agree on the loss, then clip and step
+(or skip a non-finite step).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib
 import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from components.config import ModelConfig, Precision, StoreConfig, TrainConfig, group_from_dict
-from components.launcher import decode_spec
-from components.store import Ref, open_store
+from components.config import ModelConfig, StoreConfig, TrainConfig, group_from_dict
+from components.launcher import PLUGIN_ENV, decode_spec
+from components.precision import Recipe, recipe
+from components.precision.fp8 import float8_modules
+from components.store import ArtifactStore, Ref, open_store
 from components.tokenize.blocks import load_stats, open_token_blocks
 from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.data import BlockSampler
 from components.train.export import export_hf
 from components.train.model import build_model, count_params, flops_per_token
-from components.train.monitor import Monitor, Watchdog, mfu, peak_memory_bytes
-from components.train.nonfinite import first_nonfinite_module
+from components.train.monitor import DeviceTimer, Monitor, StepLine, Watchdog, device_peak_tflops, peak_memory_bytes
+from components.train.nonfinite import clean_name, first_nonfinite_module
 from components.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
-from components.train.parallel import init_distributed, unwrap, wrap
-from components.train.precision import apply_fp8, autocast
+from components.train.parallel import apply_compile, gradient_sync, init_distributed, wrap
 from components.train.resume import find_resume_checkpoint
 
 log = logging.getLogger("liftoff.train")
 
 
-def inject_faults(model: torch.nn.Module, faults, rank: int, state: dict) -> None:
-    """Test-only faults (train.faults); inert with the defaults."""
-    if faults.nan_steps:
+@dataclass
+class TrainState:
+    """What a checkpoint carries forward besides weights and optimizer state."""
 
-        def poison(module, args, output):
-            return output * float("nan") if state["step"] in faults.nan_steps else output
-
-        model.get_input_embeddings().register_forward_hook(poison)
-    if rank == faults.slow_rank:  # a slow device: every forward pass takes longer
-        model.register_forward_pre_hook(lambda module, args: time.sleep(faults.slow_seconds))
-
-
-def fault_tick(faults, rank: int, step: int) -> None:
-    if rank == faults.hang_rank and step == faults.hang_step:
-        log.warning("fault injection: rank %d hangs at step %d", rank, step)
-        while True:
-            time.sleep(3600)
-    first_attempt = os.environ.get("LIFTOFF_ATTEMPT", "0") == "0"
-    if rank == faults.kill_rank and step == faults.kill_step and first_attempt:
-        log.warning("fault injection: rank %d SIGKILLs itself at step %d", rank, step)
-        os.kill(os.getpid(), signal.SIGKILL)
+    step: int = 0
+    position: int = 0  # global micro-batch index: the data order continues from here
+    skipped: int = 0
+    bad_in_row: int = 0
+    last_loss: float = math.nan
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec-b64", required=True)
-    spec = decode_spec(parser.parse_args(argv).spec_b64)
-    tcfg: TrainConfig = group_from_dict(TrainConfig, spec["train"])
-    mcfg: ModelConfig = group_from_dict(ModelConfig, spec["model"])
+@dataclass
+class Job:
+    """Everything set up once per process; the loop reads it."""
+
+    spec: dict
+    train: TrainConfig
+    model_cfg: ModelConfig
+    store: ArtifactStore
+    rank: int
+    world: int
+    device: torch.device
+    recipe: Recipe
+    fsdp: bool
+    data_dir: Path
+    vocab: int
+    sampler: BlockSampler
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    checkpointer: ckpt.Checkpointer
+    publisher: ckpt.BackgroundPublisher | None
+    monitor: Monitor
+    watchdog: Watchdog
+    tokens_per_step: int
+    flops_per_token: float
+    float8_modules: list[str]
+    on_step: list = field(default_factory=list)  # callables(step), run as each step starts
+
+    @property
+    def ckpt_root(self) -> Path:
+        return Path(self.spec["checkpoint_dir"])
+
+    @property
+    def identity(self) -> str:
+        return self.spec["identity"]
+
+
+def build_job(spec: dict) -> Job:
+    """Data, model (fp8 convert -> activation checkpointing -> compile -> FSDP/DDP, as
+    torchtitan orders them), optimizer, checkpointer and monitor."""
+    train = group_from_dict(TrainConfig, spec["train"])
+    model_cfg = group_from_dict(ModelConfig, spec["model"])
     store = open_store(group_from_dict(StoreConfig, spec["store"]))
-    run_dir = Path(spec["run_dir"])
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stdout,
-    )
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-
-    watchdog = Watchdog(tcfg.watchdog_timeout_s)
+    watchdog = Watchdog(train.watchdog_timeout_s)
     watchdog.start()
-    rank, world, device = init_distributed(timeout_s=max(60.0, tcfg.watchdog_timeout_s * 2))
+    rank, world, device = init_distributed(timeout_s=max(60.0, train.watchdog_timeout_s * 2))
+    precision = recipe(train.precision)
+    precision.check_device(device)
 
-    # data and model
-    dataset_ref = Ref.parse(spec["dataset"])
-    data_dir = store.fetch(store.manifest(dataset_ref))
+    data_dir = store.fetch(store.manifest(Ref.parse(spec["dataset"])))
     blocks = open_token_blocks(data_dir, "train")
     vocab = load_stats(data_dir)["vocab_size"]
-    sampler = BlockSampler(blocks, tcfg.micro_batch_size, tcfg.grad_accum_steps, world, rank, tcfg.seed)
-    model = build_model(mcfg, mcfg.vocab_size or vocab, tcfg.seed).to(device)
+    sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, world, rank, train.seed)
+    model = build_model(model_cfg, model_cfg.vocab_size or vocab, train.seed).to(device)
     seq_len = blocks.block_len - 1
-    n_flops = flops_per_token(mcfg, count_params(model, exclude_embeddings=True), seq_len)
-    if tcfg.precision == Precision.fp8:
-        apply_fp8(model, tcfg, device)
-    if tcfg.activation_checkpointing:
-        n = apply_activation_checkpointing(model, tcfg.ac_every_n_blocks)
-        log.info("activation checkpointing on %d of %d blocks", n, mcfg.num_layers)
-    state = {"step": 0}
-    inject_faults(model, tcfg.faults, rank, state)
-    model = wrap(model, tcfg.parallelism, device)
-    optimizer = build_optimizer(model, tcfg)
-    scaler = torch.amp.GradScaler(device.type) if tcfg.loss_scaling else None
+    n_flops = flops_per_token(model_cfg, count_params(model, exclude_embeddings=True), seq_len)
+    precision.apply(model, train, device)
+    if train.activation_checkpointing:
+        apply_activation_checkpointing(model, train.ac_every_n_blocks)
+    compiled = train.compile if train.compile is not None else device.type == "cuda"
+    if compiled:
+        apply_compile(model)
+    model = wrap(model, train.parallelism, device, precision)
+    fsdp = hasattr(model, "set_requires_gradient_sync")
+    if fsdp:
+        precision.after_optimizer_step(model, train, fsdp)  # the first step's fp8 all-gather scales
+    optimizer = build_optimizer(model, train)
+    scaler = torch.amp.GradScaler(device.type) if train.loss_scaling else None
 
-    # checkpoints: resume, then save every interval, publish each to the store in the background
-    ckpt_root = Path(spec["checkpoint_dir"])
     publisher = None
     if rank == 0:
 
         def publish(path: Path, meta: dict) -> None:
             store.publish(
                 "checkpoint",
-                mcfg.name,
+                model_cfg.name,
                 f"{spec['identity']}-step{meta['step']}",
                 path,
                 metadata=meta,
@@ -118,172 +137,266 @@ def main(argv: list[str] | None = None) -> int:
             )
 
         publisher = ckpt.BackgroundPublisher(publish)
-    checkpointer = ckpt.Checkpointer(ckpt_root, tcfg.checkpoint_keep, tcfg.checkpoint_async, rank, publisher)
-    position, start_step, skipped = 0, 0, 0
-    resume_from = find_resume_checkpoint(tcfg.resume, ckpt_root, store, mcfg, spec["identity"], rank)
-    if resume_from is not None:
-        loaded = ckpt.load(resume_from, model, optimizer, rank)
-        meta = loaded["meta"]
-        start_step, position, skipped = meta["step"], meta["position"], meta.get("skipped_steps", 0)
-        if "rng" in loaded["rank_state"]:
-            torch.set_rng_state(loaded["rank_state"]["rng"])
-        if scaler is not None and "scaler_scale" in meta:
-            scaler.load_state_dict({**scaler.state_dict(), "scale": meta["scaler_scale"]})
-        log.info("resumed from %s at step %d (data position %d)", resume_from, start_step, position)
+    checkpointer = ckpt.Checkpointer(
+        Path(spec["checkpoint_dir"]), train.checkpoint_keep, train.checkpoint_async, rank, publisher
+    )
+    monitor = Monitor(
+        Path(spec["run_dir"]), rank, world, train.loss_spike_factor, train.straggler_zscore, train.log_interval
+    )
+    float8 = [clean_name(n) for n in float8_modules(model)]  # read from the model that trains
+    return Job(
+        spec=spec,
+        train=train,
+        model_cfg=model_cfg,
+        store=store,
+        rank=rank,
+        world=world,
+        device=device,
+        recipe=precision,
+        fsdp=fsdp,
+        data_dir=data_dir,
+        vocab=vocab,
+        sampler=sampler,
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        checkpointer=checkpointer,
+        publisher=publisher,
+        monitor=monitor,
+        watchdog=watchdog,
+        tokens_per_step=train.micro_batch_size * train.grad_accum_steps * world * seq_len,
+        flops_per_token=n_flops,
+        float8_modules=float8,
+    )
 
-    monitor = Monitor(run_dir, rank, world, tcfg.loss_spike_factor, tcfg.straggler_zscore, tcfg.log_interval)
-    if rank == 0:
-        monitor.event(
-            "start",
-            world=world,
-            step=start_step,
-            resumed_from=str(resume_from) if resume_from else None,
-            params=count_params(unwrap(model)),
-            flops_per_token=n_flops,
+
+def resume(job: Job, state: TrainState) -> Path | None:
+    """Load the checkpoint `train.resume` chooses into the job; returns its path."""
+    path = find_resume_checkpoint(job.train.resume, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank)
+    if path is None:
+        return None
+    loaded = ckpt.load(path, job.model, job.optimizer, job.rank)
+    meta = loaded["meta"]
+    state.step, state.position, state.skipped = meta["step"], meta["position"], meta.get("skipped_steps", 0)
+    if "rng" in loaded["rank_state"]:
+        torch.set_rng_state(loaded["rank_state"]["rng"])
+    if job.scaler is not None and "scaler_scale" in meta:
+        job.scaler.load_state_dict({**job.scaler.state_dict(), "scale": meta["scaler_scale"]})
+    job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)  # scales of the loaded weights
+    log.info("resumed from %s at step %d (data position %d)", path, state.step, state.position)
+    return path
+
+
+def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
+    with job.recipe.autocast(job.device, job.fsdp):
+        logits = job.model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+def train_step(job: Job, state: TrainState) -> dict:
+    """One optimizer step. The only host<->device syncs: the agreed loss and the grad norm."""
+    t0 = time.perf_counter()
+    accum, forward, data_s = job.train.grad_accum_steps, DeviceTimer(job.device), 0.0
+    loss_sum = torch.zeros((), device=job.device)
+    first_batch = None  # replayed to name the culprit module if the step turns out non-finite
+    for micro in range(accum):
+        t_data = time.perf_counter()
+        batch = job.sampler.batch(state.position, job.device)
+        data_s += time.perf_counter() - t_data
+        first_batch = batch if first_batch is None else first_batch
+        state.position += 1
+        with gradient_sync(job.model, micro == accum - 1):
+            with forward:
+                loss = micro_loss(job, batch) / accum
+            (job.scaler.scale(loss) if job.scaler is not None else loss).backward()
+        loss_sum += loss.detach()
+
+    # all ranks agree on the loss and on whether every rank's async checkpoint is on disk
+    t_comm = time.perf_counter()
+    pending = 0.0 if job.checkpointer.pending_done() else 1.0
+    agreed = torch.stack([loss_sum, torch.tensor(pending, device=job.device)])
+    dist.all_reduce(agreed)
+    loss_total, pending_ranks = agreed.tolist()
+    comm_s = time.perf_counter() - t_comm
+    step_loss = loss_total / job.world
+
+    t_opt = time.perf_counter()
+    set_lr(job.optimizer, lr_at(state.step - 1, job.train))
+    if math.isfinite(step_loss):  # every rank has the same all-reduced loss, so all take one branch
+        grad_norm, stepped = clip_and_step(job.model, job.optimizer, job.train.grad_clip, job.scaler)
+        job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)
+    else:  # a non-finite loss never reaches the optimizer, whatever the gradients look like
+        job.optimizer.zero_grad(set_to_none=True)
+        if job.scaler is not None:
+            job.scaler.update(job.scaler.get_scale() * job.scaler.get_backoff_factor())
+        grad_norm, stepped = math.nan, False
+    opt_s = time.perf_counter() - t_opt
+    if stepped:
+        state.bad_in_row, state.last_loss = 0, step_loss
+    else:
+        state.skipped += 1
+        state.bad_in_row += 1
+        culprit = first_nonfinite_module(job.model, lambda b=first_batch: micro_loss(job, b))
+        job.monitor.event(
+            "nonfinite_step",
+            step=state.step,
+            loss=step_loss,
+            grad_norm=grad_norm,
+            skipped_total=state.skipped,
+            first_nonfinite_module=culprit,
         )
-    tokens_per_step = tcfg.micro_batch_size * tcfg.grad_accum_steps * world * seq_len
-    bad_in_row, last_loss = 0, float("nan")
+    step_s = time.perf_counter() - t0
+    return {
+        "step": state.step,
+        "loss": step_loss,
+        "grad_norm": grad_norm,
+        "lr": job.optimizer.param_groups[0]["lr"],
+        "stepped": stepped,
+        "skipped_steps": state.skipped,
+        "tokens_per_s": job.tokens_per_step / step_s,
+        "step_s": step_s,
+        "data_s": data_s,
+        "fwd_bwd_s": step_s - comm_s - opt_s - data_s,
+        "optimizer_s": opt_s,
+        "comm_s": comm_s,
+        "forward_s": forward.seconds(),
+        "peak_memory_bytes": peak_memory_bytes(job.device),
+        "checkpoint_pending_ranks": pending_ranks,
+        "time": time.time(),
+    }
 
-    def micro_loss(batch: torch.Tensor) -> torch.Tensor:
-        with autocast(tcfg, device):
-            logits = model(input_ids=batch[:, :-1]).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
-    for step in range(start_step + 1, tcfg.steps + 1):
-        state["step"] = step
-        watchdog.beat()
-        fault_tick(tcfg.faults, rank, step)
-        t0 = time.perf_counter()
-        data_s = fwd_bwd_s = forward_s = 0.0
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        first_batch = None  # replayed to name the culprit module if the step turns out non-finite
-        for micro in range(tcfg.grad_accum_steps):
-            t_data = time.perf_counter()
-            batch = sampler.batch(position, device)
-            first_batch = batch if first_batch is None else first_batch
-            position += 1
-            t_fb = time.perf_counter()
-            data_s += t_fb - t_data
-            sync = micro == tcfg.grad_accum_steps - 1 or not hasattr(model, "no_sync")
-            with model.no_sync() if not sync else contextlib.nullcontext():
-                loss = micro_loss(batch) / tcfg.grad_accum_steps
-                forward_s += time.perf_counter() - t_fb
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            loss_sum += loss.detach().double()
-            fwd_bwd_s += time.perf_counter() - t_fb
-
-        # all ranks agree on the loss and on whether this step is usable
-        t_comm = time.perf_counter()
-        agreed = torch.stack([loss_sum, torch.tensor(0.0 if checkpointer.pending_done() else 1.0, dtype=torch.float64)])
-        dist.all_reduce(agreed)
-        comm_s = time.perf_counter() - t_comm
-        step_loss = float(agreed[0]) / world
-        t_opt = time.perf_counter()
-        set_lr(optimizer, lr_at(step - 1, tcfg))
-        if math.isfinite(step_loss):  # every rank has the same all-reduced loss, so all take one branch
-            grad_norm, stepped = clip_and_step(model, optimizer, tcfg.grad_clip, scaler)
-        else:  # a non-finite loss never reaches the optimizer, whatever the gradients look like
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
-            grad_norm, stepped = float("nan"), False
-        opt_s = time.perf_counter() - t_opt
-        if stepped:
-            bad_in_row, last_loss = 0, step_loss
-        else:
-            skipped += 1
-            bad_in_row += 1
-            culprit = first_nonfinite_module(model, lambda b=first_batch: micro_loss(b))
-            monitor.event(
-                "nonfinite_step",
-                step=step,
-                loss=step_loss,
-                grad_norm=grad_norm,
-                skipped_total=skipped,
-                first_nonfinite_module=culprit,
+def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
+    """Publish an async checkpoint every rank has finished; roll back after too many
+    non-finite steps in a row; save on the interval and at the last step."""
+    if job.checkpointer.has_pending and record["checkpoint_pending_ranks"] == 0:
+        job.checkpointer.finish_pending()  # every rank's async save is on disk: publish it atomically
+    if state.bad_in_row >= job.train.max_bad_steps:
+        job.checkpointer.finish_pending()
+        # the same choice as resume: the newest checkpoint whose hashes verify, local or stored
+        target = find_resume_checkpoint("auto", job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank)
+        if target is None:
+            raise RuntimeError(
+                f"{state.bad_in_row} non-finite steps in a row (train.max_bad_steps="
+                f"{job.train.max_bad_steps}) and no checkpoint to roll back to"
             )
-        step_s = time.perf_counter() - t0
-        record = {
-            "step": step,
-            "loss": step_loss,
-            "grad_norm": grad_norm,
-            "lr": optimizer.param_groups[0]["lr"],
-            "stepped": stepped,
-            "skipped_steps": skipped,
-            "tokens_per_s": tokens_per_step / step_s,
-            "mfu": mfu(tokens_per_step / step_s, n_flops, tcfg.peak_tflops, world),
-            "step_s": step_s,
-            "data_s": data_s,
-            "fwd_bwd_s": fwd_bwd_s,
-            "optimizer_s": opt_s,
-            "comm_s": comm_s,
-            "forward_s": forward_s,
-            "peak_memory_bytes": peak_memory_bytes(device),
-            "time": time.time(),
+        ckpt.load(target, job.model, job.optimizer, job.rank)
+        job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)
+        job.monitor.event("rollback", step=state.step, to=target.name, data_position_kept=state.position)
+        state.bad_in_row = 0
+    if state.step % job.train.checkpoint_interval == 0 or state.step == job.train.steps:
+        meta = {
+            "step": state.step,
+            "position": state.position,
+            "loss": state.last_loss,
+            "skipped_steps": state.skipped,
+            "identity": job.identity,
+            "model": job.spec["model"],
+            "world": job.world,
+            "dataset": job.spec["dataset"],
         }
-        monitor.log_step(record)
-        if rank == 0 and (step % tcfg.log_interval == 0 or step == tcfg.steps):
-            log.info(
-                "step %d/%d loss %.4f grad_norm %.3f lr %.2e %.0f tokens/s",
-                step,
-                tcfg.steps,
-                step_loss,
-                grad_norm,
-                record["lr"],
-                record["tokens_per_s"],
-            )
-        if step % tcfg.straggler_interval == 0:
-            monitor.check_stragglers(step)
-        if checkpointer.has_pending and agreed[1] == 0:
-            checkpointer.finish_pending()  # every rank's async save is on disk: publish it atomically
-        if bad_in_row >= tcfg.max_bad_steps:
-            checkpointer.finish_pending()
-            # the same choice as resume: the newest checkpoint whose hashes verify, local or stored
-            target = find_resume_checkpoint("auto", ckpt_root, store, mcfg, spec["identity"], rank)
-            if target is None:
-                raise RuntimeError(
-                    f"{bad_in_row} non-finite steps in a row (train.max_bad_steps="
-                    f"{tcfg.max_bad_steps}) and no checkpoint to roll back to"
-                )
-            ckpt.load(target, model, optimizer, rank)
-            monitor.event("rollback", step=step, to=target.name, data_position_kept=position)
-            bad_in_row = 0
-        if step % tcfg.checkpoint_interval == 0 or step == tcfg.steps:
-            meta = {
-                "step": step,
-                "position": position,
-                "loss": last_loss,
-                "skipped_steps": skipped,
-                "identity": spec["identity"],
-                "model": spec["model"],
-                "world": world,
-                "dataset": spec["dataset"],
-            }
-            if scaler is not None:
-                meta["scaler_scale"] = scaler.get_scale()
-            checkpointer.save(step, model, optimizer, meta, {"rng": torch.get_rng_state()})
+        if job.scaler is not None:
+            meta["scaler_scale"] = job.scaler.get_scale()
+        job.checkpointer.save(state.step, job.model, job.optimizer, meta, {"rng": torch.get_rng_state()})
 
-    checkpointer.finish_pending()
-    export_dir = run_dir / "export"
-    export_hf(model, mcfg, mcfg.vocab_size or vocab, data_dir / "tokenizer", export_dir, rank)
-    watchdog.stop()
-    if rank == 0:
-        publisher.join()
-        checkpointer.prune()
-        final = ckpt.local_checkpoints(ckpt_root)[0]
-        result = {
-            "final_loss": last_loss,
-            "steps": tcfg.steps,
-            "skipped_steps": skipped,
-            "checkpoint": final.name,
-            "checkpoint_version": f"{spec['identity']}-step{ckpt.step_of(final)}",
-            "export_dir": str(export_dir),
-            "publish_errors": publisher.errors,
-            "world": world,
-        }
-        (run_dir / "result.json").write_text(json.dumps(result, indent=2))
-        monitor.event("end", **result)
-    monitor.close()
+
+def finish(job: Job, state: TrainState) -> dict | None:
+    """Wait for the last checkpoint, export the model, write the run's result (rank 0)."""
+    job.checkpointer.finish_pending()
+    export_dir = Path(job.spec["run_dir"]) / "export"
+    export_hf(
+        job.model,
+        job.model_cfg,
+        job.model_cfg.vocab_size or job.vocab,
+        job.data_dir / "tokenizer",
+        export_dir,
+        job.rank,
+    )
+    job.watchdog.stop()
+    if job.rank != 0:
+        return None
+    job.publisher.join()
+    job.checkpointer.prune()
+    final = ckpt.local_checkpoints(job.ckpt_root)[0]
+    return {
+        "final_loss": state.last_loss,
+        "steps": job.train.steps,
+        "skipped_steps": state.skipped,
+        "checkpoint": final.name,
+        "checkpoint_version": f"{job.identity}-step{ckpt.step_of(final)}",
+        "export_dir": str(export_dir),
+        "publish_errors": job.publisher.errors,
+        "world": job.world,
+        "precision": job.train.precision.value,
+        "float8_linear_count": len(job.float8_modules),
+        "float8_linear_modules": job.float8_modules,
+        "wrapped_modules": wrapped_modules(job.model),
+    }
+
+
+def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
+    """How many modules of the trained model each wrapper holds, counted by type."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    kinds = {"fsdp": FSDPModule, "activation_checkpoint": CheckpointWrapper, "compiled": torch._dynamo.OptimizedModule}
+    return {name: sum(isinstance(m, cls) for m in model.modules()) for name, cls in kinds.items()}
+
+
+def install_plugin(job: Job, state: TrainState) -> None:
+    name = os.environ.get(PLUGIN_ENV)
+    if name:
+        importlib.import_module(name).install(job, state)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec-b64", required=True)
+    spec = decode_spec(parser.parse_args(argv).spec_b64)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
+    )
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    job = build_job(spec)
+    state = TrainState()
+    install_plugin(job, state)
+    resumed_from = resume(job, state)
+    if job.rank == 0:
+        job.monitor.event(
+            "start",
+            world=job.world,
+            step=state.step,
+            resumed_from=str(resumed_from) if resumed_from else None,
+            params=count_params(job.model),
+            flops_per_token=job.flops_per_token,
+            precision=job.train.precision.value,
+            float8_linear_count=len(job.float8_modules),
+            float8_linear_modules=job.float8_modules,
+        )
+    peak = job.train.peak_tflops or device_peak_tflops(job.device)
+    line = StepLine(job.train.steps, job.train.log_interval, job.flops_per_token, peak, job.world, job.device)
+    if job.device.type != "cuda" and job.float8_modules and job.rank == 0:
+        log.info("fp8 on CPU is emulated: it checks the numerics, its speed means nothing")
+    for step in range(state.step + 1, job.train.steps + 1):
+        state.step = step
+        job.watchdog.beat()
+        for hook in job.on_step:
+            hook(step)
+        record = train_step(job, state)
+        record["mfu"] = line.mfu(record["tokens_per_s"])
+        job.monitor.log_step(record)
+        if job.rank == 0 and (text := line.add(record)):
+            log.info(text)
+        if step % job.train.straggler_interval == 0:
+            job.monitor.check_stragglers(step)
+        checkpoint_or_rollback(job, state, record)
+    result = finish(job, state)
+    if result is not None:
+        job.monitor.event("end", **result)
+        (Path(spec["run_dir"]) / "result.json").write_text(json.dumps(result, indent=2))
+    job.monitor.close()
     dist.destroy_process_group()
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from components.store import Ref, StoreUnreachable, open_store
 from components.train import checkpoint as ckpt
 from tests.chaos.conftest import TcpProxy, kill_tree
 from tests.conftest import CORPUS, Trainer
+from tests.faults import fault_env
 from tests.test_store import make_tree
 
 TRAIN = [f"data.paths=[{CORPUS}]", "train.steps=30", "train.checkpoint_interval=10", "train.log_interval=1"]
@@ -36,7 +38,7 @@ print("RESULT", result.result["export_dir"])
 """
 
 
-def launch(trainer: Trainer, run_dir: Path, *overrides: str) -> subprocess.Popen:
+def launch(trainer: Trainer, run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     script = trainer.tmp / "run_train.py"
     script.write_text(RUN_TRAIN)
     return subprocess.Popen(
@@ -45,6 +47,7 @@ def launch(trainer: Trainer, run_dir: Path, *overrides: str) -> subprocess.Popen
         stderr=subprocess.STDOUT,
         text=True,
         cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -64,7 +67,7 @@ def test_killed_launcher_rerun_resumes_from_the_store_to_identical_weights(datas
     clean_weights = load_file(str(export_of(launch(clean, tmp_path / "clean-runs")) / "model.safetensors"))
 
     trainer = Trainer(dataset_store, tmp_path / "killed")
-    proc = launch(trainer, tmp_path / "runs-1", "train.faults.slow_rank=0", "train.faults.slow_seconds=0.2")
+    proc = launch(trainer, tmp_path / "runs-1", env=fault_env(slow_rank=0, slow_seconds=0.2))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if any(m.metadata.get("step") == 10 for m in trainer.store.versions("checkpoint", "tiny")):

@@ -8,6 +8,7 @@ from components.config import PreflightConfig
 from components.preflight.stage import PreflightFailed, gate, report_markdown, run_preflight
 from components.preflight.verdict import judge
 from tests.conftest import Trainer
+from tests.faults import injected
 
 EVERY_METRIC = [
     "gemm_tflops_fp32",
@@ -47,7 +48,8 @@ def test_two_node_preflight_measures_everything_and_passes(trainer):
 
 
 def test_throttled_node_is_unhealthy_and_the_gate_stops_the_run(trainer):
-    cfg, result = preflight(trainer, "preflight.throttle_node=1", "preflight.min_healthy_nodes=2")
+    with injected(throttle_node=1):
+        cfg, result = preflight(trainer, "preflight.min_healthy_nodes=2")
     unhealthy = result.unhealthy
     assert list(unhealthy) == [f"{result.nodes[1]['host']}#1"]
     assert any("gemm_tflops" in r and "robust SDs below" in r for r in unhealthy[f"{result.nodes[1]['host']}#1"])

@@ -1,0 +1,82 @@
+"""What every precision recipe answers; fp32 is the plain case, the others override."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from components.config import ModelConfig, TrainConfig
+
+if TYPE_CHECKING:  # torch is imported where it is used: the planner and stage checks run without it
+    import torch
+
+
+class PrecisionError(ValueError):
+    """A precision that cannot run on this model or device; raised before training starts."""
+
+
+def fp8_eligible_dims(in_features: int, out_features: int) -> bool:
+    """Float8 GEMMs (torch._scaled_mm) need both dims divisible by 16."""
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
+class Recipe:
+    name = "fp32"
+    compute_dtype = "float32"  # torch dtype name: what activations, norms and attention compute in
+    # Bytes saved for backward per token by one Llama block (transformers, SDPA), per unit of
+    # hidden size and of FFN size, and by the head per unit of hidden size; counted with
+    # saved_tensors_hooks (benchmarks/planner_accuracy.py). fp32: 10 hidden-sized and 4
+    # FFN-sized tensors per block; under bf16 autocast the residual stream and the RMSNorm
+    # internals stay fp32, the projections' inputs and the MLP are bf16.
+    act_bytes_per_hidden = 40.0
+    act_bytes_per_ffn = 16.0
+    head_bytes_per_hidden = 12.0
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Pre-launch check on the config alone (no torch model is built)."""
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise PrecisionError when this device cannot run the recipe."""
+
+    def apply(self, model: torch.nn.Module, train: TrainConfig, device: torch.device) -> None:
+        """Convert modules in place, before activation checkpointing, compile and FSDP."""
+
+    def autocast(self, device: torch.device, fsdp: bool):
+        """The forward's autocast context. Under FSDP the MixedPrecisionPolicy casts the
+        parameters instead (torchtitan's choice), so no autocast is needed there."""
+        return contextlib.nullcontext()
+
+    def fsdp_mp_policy(self):
+        """FSDP2 MixedPrecisionPolicy, or None for full fp32."""
+        return None
+
+    def fsdp_float8_all_gather(self, train: TrainConfig) -> bool:
+        return False
+
+    def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:
+        """Per-step work once the weights changed (fp8: precompute the all-gather scales)."""
+
+    def copy_bytes(self, linear: bool, fp8_eligible: bool, fsdp: bool, train: TrainConfig) -> float:
+        """Bytes per element of the compute copy of one parameter, beside its fp32 master.
+
+        Under FSDP that is the unsharded (all-gathered) parameter while its block computes;
+        under DDP, the low-precision copy autocast caches for the step (Linear weights only)."""
+        return 4.0 if fsdp else 0.0
+
+    def gemm(self, size: int, device: torch.device) -> Callable[[], object]:
+        """The matmul preflight times for this precision (size x size x size)."""
+        import torch
+
+        torch.manual_seed(0)
+        dtype = getattr(torch, self.compute_dtype)
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        return lambda: torch.mm(a, b)
+
+    def supported(self, device: torch.device) -> bool:
+        try:
+            self.check_device(device)
+            return True
+        except PrecisionError:
+            return False

@@ -1,0 +1,127 @@
+"""fp8 training with torchao: Float8Linear GEMMs on the eligible Linears, bf16 for the rest
+(attention, norms, the output head), fp32 master weights and optimizer state.
+
+As torchtitan: the output head stays high precision (its logits feed the loss directly);
+under FSDP2 the bf16 MixedPrecisionPolicy applies and, with tensorwise scaling, weights are
+all-gathered in fp8 (`enable_fsdp_float8_all_gather`) with their scales precomputed once
+per optimizer step for all layers (`precompute_float8_dynamic_scale_for_fsdp`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from components.config import Fp8Recipe, ModelConfig, Parallelism, TrainConfig
+from components.precision.base import PrecisionError, fp8_eligible_dims
+from components.precision.bf16 import BF16
+
+if TYPE_CHECKING:
+    import torch
+
+OUTPUT_HEAD = "lm_head"
+
+
+def module_filter(module: torch.nn.Module, fqn: str) -> bool:
+    """torchao's `module_filter_fn(module, fqn)`: which Linears become Float8Linear."""
+    import torch
+
+    return (
+        isinstance(module, torch.nn.Linear)
+        and fqn != OUTPUT_HEAD
+        and fp8_eligible_dims(module.in_features, module.out_features)
+    )
+
+
+def float8_modules(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the Float8Linear modules in the live model, as it trains (wrappers
+    included in the names)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def _cast_input_to_bf16(module: torch.nn.Module, args: tuple):
+    """torchao's Float8Linear follows CUDA autocast only; on a CPU under bf16 autocast its
+    input would stay fp32. Cast it as CUDA autocast would, so CPU runs the GPU recipe."""
+    import torch
+
+    if torch.is_autocast_enabled("cpu"):
+        return (args[0].to(torch.bfloat16), *args[1:])
+    return None
+
+
+class FP8(BF16):
+    name = "fp8"
+
+    def check_model(self, model: ModelConfig) -> None:
+        if not fp8_eligible_dims(model.hidden_size, model.hidden_size):  # every block Linear has hidden_size
+            head_dim = model.hidden_size // model.num_heads
+            raise PrecisionError(
+                "train.precision=fp8 but no Linear layer has both dims divisible by 16 "
+                f"(hidden_size={model.hidden_size}, kv projection={model.num_kv_heads * head_dim}, "
+                f"ffn_hidden_size={model.ffn_hidden_size})"
+            )
+
+    def check_device(self, device: torch.device) -> None:
+        import torch
+
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):
+                raise PrecisionError(
+                    "train.precision=fp8 needs a GPU with compute capability >= 8.9 (Ada, Hopper, Blackwell); "
+                    f"{torch.cuda.get_device_name(device)} has {major}.{minor}. Use train.precision=bf16."
+                )
+            return
+        try:  # CPU: torch's emulated scaled matmul
+            a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+            one = torch.tensor(1.0, device=device)
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        except (RuntimeError, NotImplementedError) as e:
+            raise PrecisionError(f"train.precision=fp8: this torch build has no fp8 matmul on {device}: {e}") from None
+
+    def float8_config(self, train: TrainConfig):
+        from torchao.float8 import Float8LinearConfig
+
+        config = Float8LinearConfig.from_recipe_name(train.fp8_recipe.value)
+        if self.fsdp_float8_all_gather(train):
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        return config
+
+    def apply(self, model: torch.nn.Module, train: TrainConfig, device: torch.device) -> None:
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+
+        self.check_device(device)
+        convert_to_float8_training(model, config=self.float8_config(train), module_filter_fn=module_filter)
+        converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        if not converted:
+            raise PrecisionError("train.precision=fp8 but no Linear layer was eligible for Float8Linear")
+        if device.type != "cuda":
+            for m in converted:
+                m.register_forward_pre_hook(_cast_input_to_bf16)
+
+    def fsdp_float8_all_gather(self, train: TrainConfig) -> bool:
+        # only dynamic tensorwise scales can be computed once for the whole weight before the all-gather
+        return train.parallelism == Parallelism.fsdp and train.fp8_recipe == Fp8Recipe.tensorwise
+
+    def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:
+        if fsdp and self.fsdp_float8_all_gather(train):
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+    def copy_bytes(self, linear: bool, fp8_eligible: bool, fsdp: bool, train) -> float:
+        if fp8_eligible:  # DDP: the fp8 casts are transient, never cached
+            return (1.0 if self.fsdp_float8_all_gather(train) else 2.0) if fsdp else 0.0
+        return super().copy_bytes(linear, fp8_eligible, fsdp, train)
+
+    def gemm(self, size: int, device: torch.device):
+        import torch
+
+        torch.manual_seed(0)
+        a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(size, size, device=device).t().contiguous().t().to(torch.float8_e4m3fn)
+        one = torch.tensor(1.0, device=device)
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)

@@ -1,0 +1,93 @@
+"""Test-only fault injection into real worker processes.
+
+`with injected(nan_steps=[5]): ...` sets LIFTOFF_WORKER_PLUGIN=tests.faults and the faults
+in the environment the launched workers inherit; each worker then imports this module and
+calls `install` (train) or `install_preflight` (preflight). Nothing here ships in the config
+or runs in the production loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+
+from components.launcher import PLUGIN_ENV
+
+FAULTS_ENV = "LIFTOFF_FAULTS"
+log = logging.getLogger("liftoff.faults")
+
+
+def fault_env(**faults) -> dict[str, str]:
+    """nan_steps=[...]: steps whose forward turns non-finite; kill_rank/kill_step: that rank
+    SIGKILLs itself (first attempt only); slow_rank/slow_seconds: a slow device; hang_rank/
+    hang_step: a rank that stops making progress; throttle_node: a preflight node whose GEMMs
+    run slow."""
+    return {PLUGIN_ENV: "tests.faults", FAULTS_ENV: json.dumps(faults)}
+
+
+@contextlib.contextmanager
+def injected(**faults):
+    saved = {k: os.environ.get(k) for k in (PLUGIN_ENV, FAULTS_ENV)}
+    os.environ.update(fault_env(**faults))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _faults() -> dict:
+    return json.loads(os.environ.get(FAULTS_ENV, "{}"))
+
+
+def install(job, state) -> None:
+    f = _faults()
+    model = getattr(job.model, "module", job.model)  # under DDP, the wrapped model
+    if f.get("nan_steps"):
+        nan_steps = set(f["nan_steps"])
+
+        def poison(module, args, output):
+            return output * float("nan") if state.step in nan_steps else output
+
+        model.get_input_embeddings().register_forward_hook(poison)
+    if job.rank == f.get("slow_rank", -1):
+        model.register_forward_pre_hook(lambda module, args: time.sleep(f["slow_seconds"]))
+
+    def tick(step: int) -> None:
+        if job.rank == f.get("hang_rank", -1) and step == f.get("hang_step"):
+            log.warning("fault injection: rank %d hangs at step %d", job.rank, step)
+            while True:
+                time.sleep(3600)
+        first_attempt = os.environ.get("LIFTOFF_ATTEMPT", "0") == "0"
+        if job.rank == f.get("kill_rank", -1) and step == f.get("kill_step") and first_attempt:
+            log.warning("fault injection: rank %d SIGKILLs itself at step %d", job.rank, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    job.on_step.append(tick)
+
+
+def install_preflight(rank: int) -> None:
+    """The throttled node's GEMMs each take 0.5 s longer, as a degraded device would."""
+    from components.precision import RECIPES
+
+    if rank != _faults().get("throttle_node", -1):
+        return
+    for precision in RECIPES.values():
+
+        def slow_gemm(size, device, gemm=precision.gemm):
+            op = gemm(size, device)
+
+            def throttled():
+                op()
+                time.sleep(0.5)
+
+            return throttled
+
+        precision.gemm = slow_gemm
