@@ -31,6 +31,10 @@ SHAPE = [
     f"train.checkpoint_interval={STEPS}",
     "train.log_interval=10",
     "train.resume=never",
+    # the bare loop's setting: one process, fp32, no activation checkpointing
+    "cluster.nodes=1",
+    "train.precision=fp32",
+    "train.activation_checkpointing=false",
 ]
 
 

@@ -136,6 +136,10 @@ def _finish_metadata(metadata, reader):
 
 
 class Checkpointer:
+    """Saves step-N checkpoints. Synchronous saves block until the checkpoint is indexed and
+    renamed. Asynchronous saves block only while DCP stages the state; once every rank's
+    writes are done, rank 0 indexes (hashes), renames and publishes in a background thread."""
+
     def __init__(
         self,
         root: Path,
@@ -147,11 +151,13 @@ class Checkpointer:
         self.root, self.keep, self.async_save, self.rank = root, keep, async_save, rank
         self.on_finished = on_finished
         self._pending: tuple | None = None  # (future, tmp dir, step, meta) of an async save
+        self._finalizer: threading.Thread | None = None
+        self._finalize_error: BaseException | None = None
         self._pg = dist.new_group(backend="gloo")  # saves run collectives off the training stream
         root.mkdir(parents=True, exist_ok=True)
 
     def save(self, step: int, model, optimizer, meta: dict, rank_state: dict) -> None:
-        self.finish_pending()
+        self.wait()
         tmp = self.root / f"step-{step}.tmp"
         if self.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)  # left by a process killed mid-save; never resumed from
@@ -165,9 +171,12 @@ class Checkpointer:
             if self.async_save:
                 future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
                 self._pending = (future, tmp, step, meta)
-            else:
-                dcp.save(state, storage_writer=writer, process_group=self._pg)
-                self._finalize(tmp, step, meta)
+                return
+            dcp.save(state, storage_writer=writer, process_group=self._pg)
+        dist.barrier(group=self._pg)
+        if self.rank == 0:
+            self._finalize(tmp, step, meta)
+        dist.barrier(group=self._pg)
 
     @contextlib.contextmanager
     def _no_partial(self, tmp: Path, step: int):
@@ -192,29 +201,54 @@ class Checkpointer:
     def pending_done(self) -> bool:
         return self._pending is None or self._pending[0].done()
 
-    def finish_pending(self) -> None:
-        if self._pending is not None:
-            future, tmp, step, meta = self._pending
-            self._pending = None
+    def finish_pending(self, all_ranks_done: bool = False) -> None:
+        """Complete an async save: wait for this rank's writes and, unless the step's
+        agreement already showed that every rank's are done, for the other ranks'; then rank 0
+        finalizes it in the background."""
+        if self._pending is None:
+            return
+        future, tmp, step, meta = self._pending
+        self._pending = None
+        with self._no_partial(tmp, step):
+            future.result()
+        if not all_ranks_done:
+            dist.barrier(group=self._pg)
+        if self.rank == 0:
+            self._finalizer = threading.Thread(
+                target=self._finalize_in_background, args=(tmp, step, meta), name=f"finalize-step-{step}"
+            )
+            self._finalizer.start()
+
+    def wait(self) -> None:
+        """Every save started so far is on disk, indexed and renamed (or its error raised)."""
+        self.finish_pending()
+        if self._finalizer is not None:
+            self._finalizer.join()
+            self._finalizer = None
+        if self._finalize_error is not None:
+            error, self._finalize_error = self._finalize_error, None
+            raise error
+
+    def _finalize_in_background(self, tmp: Path, step: int, meta: dict) -> None:
+        try:
             with self._no_partial(tmp, step):
-                future.result()
                 self._finalize(tmp, step, meta)
+        except CheckpointError as e:
+            self._finalize_error = e
 
     def _finalize(self, tmp: Path, step: int, meta: dict) -> None:
-        dist.barrier(group=self._pg)
-        if self.rank == 0:
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-            write_index(tmp, meta)
-            final = self.root / f"step-{step}"
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            log.info("checkpoint step-%d saved to %s", step, final)
-            if self.on_finished:
-                self.on_finished(final, meta)
-            self.prune()
-        dist.barrier(group=self._pg)
+        """Rank 0, once every rank's files are written: index, fsync, rename, publish, prune."""
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        write_index(tmp, meta)
+        final = self.root / f"step-{step}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        log.info("checkpoint step-%d saved to %s", step, final)
+        if self.on_finished:
+            self.on_finished(final, meta)
+        self.prune()
 
     def prune(self) -> None:
         """Keep the newest `keep` checkpoints; one still being published waits for a later prune."""

@@ -148,8 +148,10 @@ class Monitor:
         spike_factor: float,
         straggler_z: float,
         tensorboard_interval: int = 1,
+        device: torch.device | None = None,
     ):
         self.rank, self.world, self.tb_interval = rank, world, tensorboard_interval
+        self.device = device or torch.device("cpu")  # NCCL collectives need device tensors
         self.spike_factor, self.straggler_z = spike_factor, straggler_z
         self.losses: deque[float] = deque(maxlen=50)
         self.step_times: list[float] = []
@@ -194,7 +196,8 @@ class Monitor:
 
     def check_stragglers(self, step: int) -> list[int]:
         """Gather each rank's mean forward time since the last check; report the slow outliers."""
-        mine = torch.tensor([statistics.fmean(self.step_times) if self.step_times else 0.0], dtype=torch.float64)
+        mean = statistics.fmean(self.step_times) if self.step_times else 0.0
+        mine = torch.tensor([mean], dtype=torch.float64, device=self.device)
         self.step_times.clear()
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)

@@ -141,7 +141,13 @@ def build_job(spec: dict) -> Job:
         Path(spec["checkpoint_dir"]), train.checkpoint_keep, train.checkpoint_async, rank, publisher
     )
     monitor = Monitor(
-        Path(spec["run_dir"]), rank, world, train.loss_spike_factor, train.straggler_zscore, train.log_interval
+        Path(spec["run_dir"]),
+        rank,
+        world,
+        train.loss_spike_factor,
+        train.straggler_zscore,
+        train.log_interval,
+        device,
     )
     float8 = [clean_name(n) for n in float8_modules(model)]  # read from the model that trains
     return Job(
@@ -270,9 +276,9 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
     """Publish an async checkpoint every rank has finished; roll back after too many
     non-finite steps in a row; save on the interval and at the last step."""
     if job.checkpointer.has_pending and record["checkpoint_pending_ranks"] == 0:
-        job.checkpointer.finish_pending()  # every rank's async save is on disk: publish it atomically
+        job.checkpointer.finish_pending(all_ranks_done=True)  # on disk everywhere: index and publish it
     if state.bad_in_row >= job.train.max_bad_steps:
-        job.checkpointer.finish_pending()
+        job.checkpointer.wait()
         # the same choice as resume: the newest checkpoint whose hashes verify, local or stored
         target = find_resume_checkpoint("auto", job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank)
         if target is None:
@@ -302,7 +308,7 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
 
 def finish(job: Job, state: TrainState) -> dict | None:
     """Wait for the last checkpoint, export the model, write the run's result (rank 0)."""
-    job.checkpointer.finish_pending()
+    job.checkpointer.wait()
     export_dir = Path(job.spec["run_dir"]) / "export"
     export_hf(
         job.model,
@@ -334,13 +340,35 @@ def finish(job: Job, state: TrainState) -> dict | None:
     }
 
 
+def describe(job: Job) -> str:
+    """What trains, read from the live model: world, precision, wrappers."""
+    wrapped = wrapped_modules(job.model)
+    blocks = job.model_cfg.num_layers
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    parts = [f"training on {nodes} node(s) x {job.world // nodes} process(es), {job.device.type}"]
+    if job.float8_modules:
+        parts.append(f"fp8 ({job.train.fp8_recipe.value}) in {len(job.float8_modules)} Float8Linear, bf16 elsewhere")
+    else:
+        parts.append(job.train.precision.value)
+    parts.append(f"activation checkpointing on {wrapped['activation_checkpoint']}/{blocks} blocks")
+    parts.append(f"compiled {wrapped['compiled']}/{blocks} blocks")
+    parts.append("FSDP2" if wrapped["fsdp"] else ("DDP" if job.world > 1 else "one process"))
+    return ", ".join(parts)
+
+
 def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
     """How many modules of the trained model each wrapper holds, counted by type."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     kinds = {"fsdp": FSDPModule, "activation_checkpoint": CheckpointWrapper, "compiled": torch._dynamo.OptimizedModule}
-    return {name: sum(isinstance(m, cls) for m in model.modules()) for name, cls in kinds.items()}
+    counts = {name: sum(isinstance(m, cls) for m in model.modules()) for name, cls in kinds.items()}
+    # parameters FSDP all-gathers in fp8: their local shard is torchao's float8-cast weight
+    counts["fp8_all_gather_params"] = sum(
+        isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor) for p in model.parameters()
+    )
+    return counts
 
 
 def install_plugin(job: Job, state: TrainState) -> None:
@@ -377,8 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     peak = job.train.peak_tflops or device_peak_tflops(job.device)
     line = StepLine(job.train.steps, job.train.log_interval, job.flops_per_token, peak, job.world, job.device)
-    if job.device.type != "cuda" and job.float8_modules and job.rank == 0:
-        log.info("fp8 on CPU is emulated: it checks the numerics, its speed means nothing")
+    if job.rank == 0:
+        log.info(describe(job))
+        if job.device.type != "cuda" and job.float8_modules:
+            log.info("fp8 on CPU is emulated: it checks the numerics, its speed means nothing")
     for step in range(state.step + 1, job.train.steps + 1):
         state.step = step
         job.watchdog.beat()

@@ -97,8 +97,10 @@ def test_killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, setup
     clean = Trainer(dataset_store, tmp_path / "clean").run(*common)
     with injected(kill_rank=1, kill_step=15):
         killed = Trainer(dataset_store, tmp_path / "killed").run(*common)
-    if setup:  # the trained model: 2 blocks + the root sharded, 2 blocks checkpointed and compiled
-        assert killed.result["wrapped_modules"] == {"fsdp": 3, "activation_checkpoint": 2, "compiled": 2}
+    if setup:  # the trained model: 2 blocks + the root sharded, 2 blocks checkpointed and compiled,
+        # and the 14 Float8Linear weights all-gathered in fp8 (tensorwise scaling)
+        wrapped = {"fsdp": 3, "activation_checkpoint": 2, "compiled": 2, "fp8_all_gather_params": 14}
+        assert killed.result["wrapped_modules"] == wrapped
         assert killed.result["float8_linear_count"] == 14
     starts = events(killed.run_dir, "start")
     assert len(starts) == 2 and starts[1]["step"] == 10 and starts[1]["resumed_from"].endswith("step-10")

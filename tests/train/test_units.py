@@ -119,3 +119,24 @@ def test_sampler_is_deterministic_sharded_and_resumable():
 def test_sampler_refuses_data_smaller_than_one_step():
     with pytest.raises(DataFitError, match="= 64 blocks per step, but the train split has only 10"):
         BlockSampler(FakeBlocks(np.zeros((10, 3))), micro_batch=8, grad_accum=2, world=4, rank=0, seed=0)
+
+
+def test_device_peaks_are_looked_up_by_name():
+    from components.devices import peak_tflops
+
+    assert peak_tflops("NVIDIA H200") == 989.4 and peak_tflops("NVIDIA H200", "fp8") == 1978.9
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0 and peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp8") is None and peak_tflops("Tesla T4") is None
+
+
+def test_step_line_averages_throughput_over_the_interval_and_omits_mfu_on_cpu():
+    from components.train.monitor import StepLine
+
+    line = StepLine(steps=100, interval=2, flops_per_token=1e6, peak=None, world=2, device=torch.device("cpu"))
+    rec = {"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "peak_memory_bytes": 2**30}
+    assert line.add({**rec, "step": 1, "step_s": 1.0, "tokens_per_s": 1000.0}) is None
+    text = line.add({**rec, "step": 2, "step_s": 3.0, "tokens_per_s": 3000.0})
+    # 1000 + 9000 tokens in 4 s; 98 steps left at 2 s each
+    assert "2,500 tokens/s" in text and "MFU" not in text and "ETA 0:03:16" in text and "mem 1.00 GiB" in text
+    gpu_like = StepLine(steps=10, interval=1, flops_per_token=1e6, peak=1.0, world=2, device=torch.device("cpu"))
+    assert "MFU 50.0%" in gpu_like.add({**rec, "step": 1, "step_s": 1.0, "tokens_per_s": 1e6})
