@@ -67,7 +67,7 @@ def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> f
     from components.preflight.plan import activation_bytes, param_tensors, weight_copies
 
     tensors, layers = param_tensors(model_cfg), model_cfg.num_layers
-    copies = weight_copies(tensors, layers, recipe(train.precision), train, recompute=False)
+    copies = weight_copies(tensors, layers, recipe(train.precision), train, sharded=False, recompute=False)
     return activation_bytes(model_cfg, train, seq_len, recompute=False) + copies
 
 

@@ -15,6 +15,8 @@ import os
 import signal
 import time
 
+import torch
+
 from components.launcher import PLUGIN_ENV
 
 FAULTS_ENV = "LIFTOFF_FAULTS"
@@ -22,7 +24,10 @@ log = logging.getLogger("liftoff.faults")
 
 
 def fault_env(**faults) -> dict[str, str]:
-    """nan_steps=[...]: steps whose forward turns non-finite; kill_rank/kill_step: that rank
+    """nan_steps=[...]: steps whose forward turns non-finite (from the embeddings on);
+    nan_weight + nan_weight_steps: that parameter (its name in the plain model) holds a NaN
+    during those steps only, so the first non-finite output is inside a block, compiled or
+    not; kill_rank/kill_step: that rank
     SIGKILLs itself (first attempt only); slow_rank/slow_seconds: a slow device; hang_rank/
     hang_step: a rank that stops making progress; throttle_node: a preflight node whose GEMMs
     run slow."""
@@ -59,6 +64,22 @@ def install(job, state) -> None:
         model.get_input_embeddings().register_forward_hook(poison)
     if job.rank == f.get("slow_rank", -1):
         model.register_forward_pre_hook(lambda module, args: time.sleep(f["slow_seconds"]))
+
+    if f.get("nan_weight"):
+        from components.train.nonfinite import clean_name
+
+        weight = next(p for n, p in job.model.named_parameters() if clean_name(n) == f["nan_weight"])
+        saved: list = []
+
+        def nan_weight(step: int) -> None:
+            with torch.no_grad():
+                if step in f["nan_weight_steps"] and not saved:
+                    saved.append(weight.detach().clone())
+                    weight.view(-1)[0] = float("nan")
+                elif step not in f["nan_weight_steps"] and saved:
+                    weight.copy_(saved.pop())
+
+        job.on_step.append(nan_weight)
 
     def tick(step: int) -> None:
         if job.rank == f.get("hang_rank", -1) and step == f.get("hang_step"):

@@ -51,9 +51,6 @@ class Recipe:
         """FSDP2 MixedPrecisionPolicy, or None for full fp32."""
         return None
 
-    def fsdp_float8_all_gather(self, train: TrainConfig) -> bool:
-        return False
-
     def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:
         """Per-step work once the weights changed (fp8: precompute the all-gather scales)."""
 

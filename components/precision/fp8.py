@@ -41,6 +41,20 @@ def float8_modules(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 
+def float8_cast_configs(model: torch.nn.Module) -> list[str]:
+    """The distinct cast configurations of the live Float8Linear modules, as torchao writes
+    them (weight, grad output for grad weight, e.g. `w:dyn_axs_e4m3,go_gw:dis_ten_e4m3`)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return sorted(
+        {
+            f"w:{m.config.cast_config_weight.short_str()},go_gw:{m.config.cast_config_grad_output_for_grad_weight.short_str()}"
+            for m in model.modules()
+            if isinstance(m, Float8Linear)
+        }
+    )
+
+
 def _cast_input_to_bf16(module: torch.nn.Module, args: tuple):
     """torchao's Float8Linear follows CUDA autocast only; on a CPU under bf16 autocast its
     input would stay fp32. Cast it as CUDA autocast would, so CPU runs the GPU recipe."""
@@ -103,8 +117,13 @@ class FP8(BF16):
                 m.register_forward_pre_hook(_cast_input_to_bf16)
 
     def fsdp_float8_all_gather(self, train: TrainConfig) -> bool:
-        # only dynamic tensorwise scales can be computed once for the whole weight before the all-gather
-        return train.parallelism == Parallelism.fsdp and train.fp8_recipe == Fp8Recipe.tensorwise
+        """FSDP all-gathers the Float8Linear weights in fp8: only dynamic tensorwise scales can
+        be computed once for the whole weight before the all-gather, and only a process group
+        of more than one rank is sharded at all (see `parallel.wrap`)."""
+        import torch.distributed as dist
+
+        sharded = dist.is_initialized() and dist.get_world_size() > 1
+        return sharded and train.parallelism == Parallelism.fsdp and train.fp8_recipe == Fp8Recipe.tensorwise
 
     def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:
         if fsdp and self.fsdp_float8_all_gather(train):
@@ -114,7 +133,7 @@ class FP8(BF16):
 
     def copy_bytes(self, linear: bool, fp8_eligible: bool, fsdp: bool, train) -> float:
         if fp8_eligible:  # DDP: the fp8 casts are transient, never cached
-            return (1.0 if self.fsdp_float8_all_gather(train) else 2.0) if fsdp else 0.0
+            return (1.0 if train.fp8_recipe == Fp8Recipe.tensorwise else 2.0) if fsdp else 0.0
         return super().copy_bytes(linear, fp8_eligible, fsdp, train)
 
     def gemm(self, size: int, device: torch.device):

@@ -15,7 +15,11 @@ h = hidden, L = layers, a = heads):
   scalar per parameter tensor. Mixed-precision references: fp16/bf16 weights 2 B/param;
   fp32 master + two moments 12 B/param (7B: 14 GB of weights, 84 GB of optimizer state,
   10.5 GB per rank over 8 ranks).
-- DDP replicates everything; FSDP shards weights, gradients and optimizer state over W.
+- DDP replicates everything (gradients are views into its buckets, resident all the time);
+  FSDP shards weights, gradients and optimizer state over W, but with gradient accumulation
+  (sync off between micro-batches) FSDP2 holds unsharded fp32 gradients, 4 B/param more. On
+  one process gradients are freed after each step and filled in during backward as
+  activations are freed: the peak counts the larger of the two, not both.
 - Activations: what autograd saves for backward, per token (T = s·b tokens per micro-batch).
   A Llama block with SDPA (flash attention: no s x s scores, no dropout) saves
   `act_bytes_per_hidden`·h + `act_bytes_per_ffn`·ffn + 4·a (log-sum-exp) + 8 bytes per token
@@ -103,23 +107,28 @@ class Plan:
 
 
 def weight_copies(
-    tensors: list[tuple[str, int, bool]], layers: int, precision: Recipe, train: TrainConfig, recompute: bool = True
+    tensors: list[tuple[str, int, bool]],
+    layers: int,
+    precision: Recipe,
+    train: TrainConfig,
+    sharded: bool,
+    recompute: bool = True,
 ) -> float:
     """Bytes of compute copies of the weights live during a step, per device. Under DDP a
     checkpointed block saves no copies (autocast casts again in its recompute), so only the
-    blocks without checkpointing hold them, plus (if `recompute`) the block being recomputed."""
-    fsdp = train.parallelism == Parallelism.fsdp
+    blocks without checkpointing hold them, plus (if `recompute`) the block being recomputed.
+    `sharded`: FSDP over more than one rank."""
 
     def cost(kinds: tuple[str, ...]) -> float:
         return sum(
-            n * precision.copy_bytes(kind in ("linear", "lm_head"), fp8, fsdp, train)
+            n * precision.copy_bytes(kind in ("linear", "lm_head"), fp8, sharded, train)
             for kind, n, fp8 in tensors
             if kind in kinds
         )
 
     root = cost(("embed", "norm", "lm_head"))
     blocks = cost(("linear", "block_norm"))
-    if fsdp:
+    if sharded:
         return root + min(2, layers) * blocks / layers
     if not train.activation_checkpointing:
         return root + blocks
@@ -155,14 +164,20 @@ def plan(
         model = ModelConfig(**{**asdict(model), "vocab_size": vocab_size})
     tensors = param_tensors(model)
     n = sum(t[1] for t in tensors)
-    shard = world if train.parallelism == Parallelism.fsdp else 1
+    sharded = train.parallelism == Parallelism.fsdp and world > 1
+    shard = world if sharded else 1
     weights = 4 * n / shard
     grads = 4 * n / shard
+    if sharded and train.grad_accum_steps > 1:
+        grads += 4 * n  # with gradient sync off between micro-batches FSDP2 keeps unsharded fp32 grads
     optimizer = (8 * n + 4 * len(tensors)) / shard
     precision = recipe(train.precision)
-    copies = weight_copies(tensors, model.num_layers, precision, train)
+    copies = weight_copies(tensors, model.num_layers, precision, train, sharded)
     acts = activation_bytes(model, train, seq_len)
-    total = weights + grads + optimizer + copies + acts
+    if world == 1:  # no DDP buckets: gradients are freed after each step and fill in as backward frees activations
+        total = weights + optimizer + copies + max(grads, acts)
+    else:
+        total = weights + grads + optimizer + copies + acts
     h, a, s, b, L = model.hidden_size, model.num_heads, seq_len, train.micro_batch_size, model.num_layers
     head_dim = h // a
     n_no_embed = n - (model.vocab_size or 0) * h

@@ -173,9 +173,9 @@ class Checkpointer:
                 self._pending = (future, tmp, step, meta)
                 return
             dcp.save(state, storage_writer=writer, process_group=self._pg)
-        dist.barrier(group=self._pg)
-        if self.rank == 0:
-            self._finalize(tmp, step, meta)
+            dist.barrier(group=self._pg)
+            if self.rank == 0:
+                self._finalize(tmp, step, meta)
         dist.barrier(group=self._pg)
 
     @contextlib.contextmanager

@@ -36,7 +36,8 @@ def first_nonfinite_module(model: torch.nn.Module, forward: Callable[[], object]
 
         handles.append(module.register_forward_hook(hook))
     try:
-        with torch.no_grad():
+        # compiled blocks replay eagerly: a data-dependent check in a hook cannot be traced
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             forward()
     finally:
         for h in handles:

@@ -96,6 +96,9 @@ def run_train(
             "precision": result["precision"],
             "float8_linear_count": result["float8_linear_count"],
             "float8_linear_modules": result["float8_linear_modules"],
+            "float8_cast_configs": result["float8_cast_configs"],
+            "world": result["world"],
+            "wrapped_modules": result["wrapped_modules"],
         },
         parents=[str(data_manifest.ref), ckpt_ref],
     )

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from components.config import ModelConfig, StoreConfig, TrainConfig, group_from_dict
 from components.launcher import PLUGIN_ENV, decode_spec
 from components.precision import Recipe, recipe
-from components.precision.fp8 import float8_modules
+from components.precision.fp8 import float8_cast_configs, float8_modules
 from components.store import ArtifactStore, Ref, open_store
 from components.tokenize.blocks import load_stats, open_token_blocks
 from components.train import checkpoint as ckpt
@@ -220,7 +220,7 @@ def train_step(job: Job, state: TrainState) -> dict:
     # all ranks agree on the loss and on whether every rank's async checkpoint is on disk
     t_comm = time.perf_counter()
     pending = 0.0 if job.checkpointer.pending_done() else 1.0
-    agreed = torch.stack([loss_sum, torch.tensor(pending, device=job.device)])
+    agreed = torch.stack([loss_sum, torch.full((), pending, device=job.device)])  # filled on the device
     dist.all_reduce(agreed)
     loss_total, pending_ranks = agreed.tolist()
     comm_s = time.perf_counter() - t_comm
@@ -337,6 +337,7 @@ def finish(job: Job, state: TrainState) -> dict | None:
         "float8_linear_count": len(job.float8_modules),
         "float8_linear_modules": job.float8_modules,
         "wrapped_modules": wrapped_modules(job.model),
+        "float8_cast_configs": float8_cast_configs(job.model),
     }
 
 

@@ -55,6 +55,14 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     shown = capfd.readouterr().out
     assert re.search(r"^    checkpoint/tiny@\w+-step10", shown, re.M)
     assert re.search(r"^    dataset/kjv@\w+", shown, re.M)
+    # the default experiment is the headline path: 2 nodes, fp8 Float8Linears, activation checkpointing
+    from components.config import StoreConfig
+    from components.store import Ref, open_store
+
+    store = open_store(StoreConfig(root=str(in_tmp / "artifacts"), cache_dir=str(in_tmp / ".cache")))
+    trained = store.manifest(Ref.parse(model_ref)).metadata
+    assert trained["world"] == 2 and trained["float8_linear_count"] == 14
+    assert trained["wrapped_modules"]["activation_checkpoint"] == 2
     # a new kfp.local root (as on a fresh machine) still finds the dataset in the store
     import shutil
 

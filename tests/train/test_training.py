@@ -30,16 +30,20 @@ def test_two_node_fp8_trains_float8_linears_and_learns_like_fp32(trainer):
     common = [*TWO_NODES, "train.steps=80", "train.checkpoint_interval=40", "train.activation_checkpointing=true"]
     fp8 = trainer.run(*common, "train.precision=fp8")
     fp32 = Trainer(trainer.dataset_store, trainer.tmp / "fp32").run(*common, "train.precision=fp32")
+    bf16 = Trainer(trainer.dataset_store, trainer.tmp / "bf16").run(*common, "train.precision=bf16")
     # what trained: every block Linear (7 per block x 2 blocks) is a Float8Linear, the head is not
     expected = {f"model.layers.{i}.{m}" for i in range(2) for m in FP8_LINEARS}
     assert fp8.result["float8_linear_count"] == 14 and set(fp8.result["float8_linear_modules"]) == expected
     assert fp32.result["float8_linear_count"] == 0
     stored = trainer.store.resolve("model", "tiny", fp8.identity)
     assert stored.metadata["float8_linear_count"] == 14
-    # fp8 GEMMs change the numerics from the first step on, and still learn as well as fp32
+    # fp8 GEMMs change the numerics from the first step on (against fp32, and against bf16, which
+    # is fp8's recipe minus the Float8Linears), and still learn as well as fp32
     fp8_steps, _ = read_records(fp8.run_dir / "metrics.jsonl")
     fp32_steps, _ = read_records(fp32.run_dir / "metrics.jsonl")
+    bf16_steps, _ = read_records(bf16.run_dir / "metrics.jsonl")
     assert all(a["loss"] != b["loss"] for a, b in zip(fp8_steps[1:], fp32_steps[1:], strict=True))
+    assert all(a["loss"] != b["loss"] for a, b in zip(fp8_steps[1:], bf16_steps[1:], strict=True))
     assert fp8.final_loss < 0.8 * fp8_steps[0]["loss"], (fp8_steps[0]["loss"], fp8.final_loss)
     assert abs(fp8.final_loss - fp32.final_loss) <= 0.1 * fp32.final_loss, (fp8.final_loss, fp32.final_loss)
     assert [p.name for p in ckpt.local_checkpoints(fp8.run_dir / "checkpoints")] == ["step-80", "step-40"]
@@ -57,11 +61,18 @@ def test_two_node_fp8_trains_float8_linears_and_learns_like_fp32(trainer):
 FP8_LINEARS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
-def test_every_fp8_recipe_trains_on_one_process(trainer, recipe):
+@pytest.mark.parametrize(
+    "recipe,casts",
+    [
+        ("tensorwise", "w:dyn_ten_e4m3,go_gw:dyn_ten_e5m2"),  # per-tensor scales, e5m2 gradients
+        ("rowwise", "w:dyn_axs_e4m3,go_gw:dyn_axs_e4m3"),  # per-row scales
+        ("rowwise_with_gw_hp", "w:dyn_axs_e4m3,go_gw:dis_ten_e4m3"),  # grad weight left in high precision
+    ],
+)
+def test_every_fp8_recipe_trains_on_one_process(trainer, recipe, casts):
     r = trainer.run("train.precision=fp8", f"train.fp8_recipe={recipe}", "train.steps=12", "train.warmup_steps=2")
     steps, _ = read_records(r.run_dir / "metrics.jsonl")
-    assert r.result["float8_linear_count"] == 14
+    assert r.result["float8_linear_count"] == 14 and r.result["float8_cast_configs"] == [casts]
     assert r.final_loss < steps[0]["loss"]
 
 
@@ -97,6 +108,8 @@ def test_killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, setup
     clean = Trainer(dataset_store, tmp_path / "clean").run(*common)
     with injected(kill_rank=1, kill_step=15):
         killed = Trainer(dataset_store, tmp_path / "killed").run(*common)
+    clean_steps, _ = read_records(clean.run_dir / "metrics.jsonl")
+    assert clean.final_loss < 0.9 * clean_steps[0]["loss"]  # gradients reach the (sharded) weights
     if setup:  # the trained model: 2 blocks + the root sharded, 2 blocks checkpointed and compiled,
         # and the 14 Float8Linear weights all-gathered in fp8 (tensorwise scaling)
         wrapped = {"fsdp": 3, "activation_checkpoint": 2, "compiled": 2, "fp8_all_gather_params": 14}
@@ -152,6 +165,16 @@ def test_nan_batches_are_skipped_named_and_rolled_back(trainer):
     rollback = events(r.run_dir, "rollback")
     assert len(rollback) == 1 and rollback[0]["step"] == 14 and rollback[0]["to"] == "step-10"
     assert all(s["stepped"] for s in read_records(r.run_dir / "metrics.jsonl")[0] if s["step"] in (15, 16))
+
+
+def test_nonfinite_inside_a_compiled_block_is_named_and_skipped(trainer):
+    with injected(nan_weight="model.layers.1.mlp.down_proj.weight", nan_weight_steps=[5]):
+        r = trainer.run("train.steps=8", "train.checkpoint_interval=4", "train.compile=true")
+    assert r.result["wrapped_modules"]["compiled"] == 2
+    bad = events(r.run_dir, "nonfinite_step")
+    assert [(e["step"], e["first_nonfinite_module"]) for e in bad] == [(5, "model.layers.1.mlp.down_proj")]
+    steps, _ = read_records(r.run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps if s["stepped"]] == [1, 2, 3, 4, 6, 7, 8]
 
 
 def test_slow_rank_is_reported_and_hang_trips_the_watchdog(trainer, capfd):
