@@ -10,7 +10,6 @@ checkpoint.json verifies is ever resumed from. Loading unpickles nothing but an 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from components.store import sha256_file
+from components.store import InvalidKey, check_relpath, sha256_file
 
 log = logging.getLogger(__name__)
 INDEX = "checkpoint.json"
@@ -61,7 +60,8 @@ def write_index(ckpt: Path, meta: dict) -> None:
 
 
 def verify(ckpt: Path) -> dict:
-    """The checkpoint's meta when every file matches its recorded sha256 and size."""
+    """The checkpoint's meta when every file matches its recorded sha256 and size, every path in
+    its index stays inside it, and its DCP metadata unpickles with the allowlist."""
     index = ckpt / INDEX
     if not index.is_file():
         raise CheckpointError(f"{ckpt}: no {INDEX} (incomplete save)")
@@ -71,13 +71,18 @@ def verify(ckpt: Path) -> dict:
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{index}: unreadable ({e})") from None
     for rel, entry in files.items():
-        p = ckpt / rel
+        try:
+            p = ckpt / check_relpath(rel)
+        except InvalidKey as e:
+            raise CheckpointError(f"{index}: {e}") from None
         if not p.is_file():
             raise CheckpointError(f"{p}: missing")
         if p.stat().st_size != entry["size"]:
             raise CheckpointError(f"{p}: size {p.stat().st_size} != recorded {entry['size']} (truncated?)")
         if sha256_file(p) != entry["sha256"]:
             raise CheckpointError(f"{p}: sha256 mismatch")
+    if (ckpt / ".metadata").is_file():  # hashes prove integrity, not intent: refuse code before DCP sees it
+        read_metadata_safely(ckpt / ".metadata")
     return meta
 
 
@@ -93,36 +98,48 @@ def local_checkpoints(root: Path) -> list[Path]:
     return sorted(done, key=step_of, reverse=True)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle: allow only the classes DCP metadata is made of."""
-
-    ALLOWED_MODULES = (
-        "torch.distributed.checkpoint.metadata",
-        "torch.distributed.checkpoint.filesystem",
-        "torch.distributed.checkpoint.planner",
-        "torch.distributed.checkpoint._extension",
-    )
-    ALLOWED = {
-        ("collections", "OrderedDict"),
+# The only globals a DCP `.metadata` pickle may name, as exact (module, qualified name) pairs
+# (read off the checkpoints DDP and FSDP runs write). No dotted names: pickle resolves
+# "os.system" attribute by attribute through any module that imports os.
+ALLOWED_GLOBALS = frozenset(
+    {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )}
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
         ("torch.serialization", "_get_layout"),
         ("pathlib", "PosixPath"),
+        ("collections", "OrderedDict"),
     }
+)  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: resolve only the allowed globals and torch dtypes."""
 
     def find_class(self, module: str, name: str):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module in self.ALLOWED_MODULES or (module, name) in self.ALLOWED or dtype:
+        dtype = module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in ALLOWED_GLOBALS or dtype:
             return super().find_class(module, name)
-        raise CheckpointError(f"refusing to load checkpoint metadata: it references {module}.{name}")
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+def read_metadata_safely(path: Path):
+    """The DCP metadata in `path`, or CheckpointError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise CheckpointError(
+            f"{path}: refusing to load checkpoint metadata ({e}); it may reference only DCP's own classes"
+        ) from None
 
 
 class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        metadata = read_metadata_safely(Path(self._get_metadata_path(kwargs.get("rank"))))
         return _finish_metadata(metadata, self)
 
 

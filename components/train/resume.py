@@ -29,7 +29,10 @@ def _newest_valid_local(root: Path, identity: str) -> Path | None:
 
 def _from_store(store: ArtifactStore, root: Path, model_name: str, version: str) -> Path:
     manifest = store.resolve("checkpoint", model_name, version)
-    dest = root / f"step-{manifest.metadata['step']}"
+    step = manifest.metadata.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:  # it names a directory here
+        raise ckpt.CheckpointError(f"{manifest.ref}: its manifest's step {step!r} is not a step number")
+    dest = root / f"step-{step}"
     store.fetch(manifest, dest)
     ckpt.verify(dest)
     return dest

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from components.config import StoreConfig, compose
 from components.store import InvalidKey, open_store
 from components.tokenize.documents import DataError
 from components.tokenize.stage import run_tokenize
+from components.train.report import read_records
 from pipelines.cli import main
 
 KEYS = [
@@ -75,6 +77,53 @@ def test_any_store_key_is_refused_or_stays_inside_the_root(tmp_path_factory, kin
         pass
     outside = [p for p in base.rglob("*") if not (p.is_relative_to(base / "root") or p.is_relative_to(src))]
     assert outside == [], outside
+
+
+HOSTILE = st.one_of(
+    st.sampled_from(["..", "../..", "../escape", "/tmp/escape", "a/../../escape", "\x00", "a\x00b", "step/../..", ""]),
+    st.text(alphabet=st.sampled_from(["a", ".", "/", "\x00", "\\", "-"]), max_size=10),
+)
+
+
+def resume_from_rewritten_manifest(base: Path, rel: str | None, step) -> None:
+    """Publish a checkpoint, rewrite its manifest (an extra file named `rel`, the step), resume
+    from it: it must be refused, and nothing may land outside the store root, cache and
+    checkpoint directory."""
+    import json
+
+    from components.store import IntegrityError, Ref, StoreError
+    from components.train.checkpoint import CheckpointError
+    from components.train.resume import _from_store
+
+    store = open_store(StoreConfig(root=str(base / "root"), cache_dir=str(base / "cache")))
+    src = base / "src"
+    src.mkdir()
+    (src / "checkpoint.json").write_text('{"files": {}, "meta": {}}')
+    store.publish("checkpoint", "tiny", "v-step1", src, metadata={"step": 1})
+    manifest_path = base / "root" / Ref("checkpoint", "tiny", "v-step1").prefix / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    if rel is not None:
+        manifest["files"][rel] = manifest["files"]["checkpoint.json"]
+    manifest["metadata"]["step"] = step
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises((StoreError, IntegrityError, CheckpointError)):
+        _from_store(store, base / "ckpts", "tiny", "v-step1")
+    allowed = (base / "root", base / "cache", base / "ckpts", src)
+    outside = [p for p in base.parent.rglob("*") if p.is_relative_to(base) is False and "escape" in p.name]
+    outside += [p for p in base.rglob("*") if not any(p.is_relative_to(a) for a in allowed)]
+    assert outside == [], outside
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rel=HOSTILE.filter(lambda r: r not in ("checkpoint.json",)))
+def test_hostile_file_names_in_a_manifest_are_refused(tmp_path_factory, rel):
+    resume_from_rewritten_manifest(tmp_path_factory.mktemp("names"), rel, 1)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(step=st.one_of(HOSTILE, st.integers(-3, -1), st.floats(allow_nan=True), st.none(), st.booleans()))
+def test_hostile_checkpoint_steps_in_a_manifest_are_refused(tmp_path_factory, step):
+    resume_from_rewritten_manifest(tmp_path_factory.mktemp("steps"), None, step)
 
 
 def tokenize(tmp_path: Path, src: Path, *overrides: str):
@@ -138,7 +187,7 @@ class _Exploit:
 def test_files_crafted_to_run_code_on_load_are_refused(tmp_path, chaos):
     import torch
 
-    from components.train.checkpoint import CheckpointError, _MetadataUnpickler
+    from components.train.checkpoint import CheckpointError, read_metadata_safely
     from components.validate.checks import ValidationFailed, load_hf_model
 
     rec = chaos(
@@ -147,10 +196,9 @@ def test_files_crafted_to_run_code_on_load_are_refused(tmp_path, chaos):
     )
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Exploit(marker))
-    import io
-
-    with pytest.raises(CheckpointError, match="refusing to load checkpoint metadata: it references"):
-        _MetadataUnpickler(io.BytesIO(payload)).load()
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(CheckpointError, match=r"\.metadata: refusing to load checkpoint metadata"):
+        read_metadata_safely(tmp_path / ".metadata")
     (tmp_path / "rank0.pt").write_bytes(payload)
     with pytest.raises(pickle.UnpicklingError):
         torch.load(tmp_path / "rank0.pt", weights_only=True)  # how checkpoint.load reads rank state
@@ -162,3 +210,85 @@ def test_files_crafted_to_run_code_on_load_are_refused(tmp_path, chaos):
         load_hf_model(model_dir)
     assert not marker.exists()
     rec.happened("metadata unpickler, weights_only load and safetensors-only loading all refused it")
+
+
+def stack_global_payload(module: str, name: str, command: str) -> bytes:
+    """A protocol-4 pickle that calls `module`.`name`(command): STACK_GLOBAL resolves a dotted
+    `name` attribute by attribute, so ("...filesystem", "os.system") reaches os.system through
+    a module that imports os."""
+
+    def text(s: str) -> bytes:
+        raw = s.encode()
+        return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(command) + b"\x85R."  # STACK_GLOBAL, TUPLE1, REDUCE
+
+
+def tamper(store_root: Path, ref, rel: str, data: bytes) -> None:
+    """Replace one file of a stored checkpoint and update every hash that covers it, as anyone
+    with write access to the bucket can: the checkpoint's own index and the store manifest."""
+    import hashlib
+    import json
+
+    version_dir = store_root / ref.prefix
+    (version_dir / rel).write_bytes(data)
+    index = json.loads((version_dir / "checkpoint.json").read_text())
+    index["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (version_dir / "checkpoint.json").write_text(json.dumps(index))
+    manifest = json.loads((version_dir / "manifest.json").read_text())
+    for name in (rel, "checkpoint.json"):
+        body = (version_dir / name).read_bytes()
+        manifest["files"][name] = {"sha256": hashlib.sha256(body).hexdigest(), "size": len(body)}
+    (version_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_code_in_stored_checkpoint_metadata_never_runs(dataset_store, tmp_path, chaos, capfd):
+    import subprocess
+    import sys
+
+    from components.config import EvalConfig
+    from components.launcher import LaunchError
+    from components.store import Ref
+    from components.train.checkpoint import ALLOWED_GLOBALS
+    from components.validate.checks import ValidationFailed
+    from components.validate.stage import run_validate
+    from tests.conftest import Trainer
+
+    rec = chaos(
+        "stored checkpoint's DCP metadata replaced by a pickle that runs a command through a dotted name "
+        "(and through every module the unpickler allows), every hash updated",
+        "resume and validate refuse it naming the file; the command never runs",
+    )
+    trainer = Trainer(dataset_store, tmp_path / "t")
+    run = ["train.steps=4", "train.warmup_steps=1", "train.checkpoint_interval=4"]
+    trained = trainer.run(*run)
+    ckpt = Ref("checkpoint", "tiny", trained.checkpoint_version)
+    marker = tmp_path / "pwned"
+    dotted = stack_global_payload("torch.distributed.checkpoint.filesystem", "os.system", f"touch {marker}-probe")
+    # the payload is live: plain pickle runs it
+    subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"], input=dotted)
+    assert Path(f"{marker}-probe").exists()
+
+    modules = sorted({module for module, _ in ALLOWED_GLOBALS}) + ["os", "posix", "subprocess"]
+    variants = [(m, name) for m in modules for name in ("os.system", "system", "__builtins__.exec")]
+    for module, name in variants:
+        tamper(Path(trainer.store_cfg.root), ckpt, ".metadata", stack_global_payload(module, name, f"touch {marker}"))
+        with pytest.raises(ValidationFailed, match=r"\.metadata.*refus"):
+            run_validate(str(trained.model.ref), EvalConfig(loss_tolerance=10.0), trainer.store)
+        shutil.rmtree(trainer.store_cfg.cache_dir, ignore_errors=True)
+    assert not marker.exists()
+
+    shutil.rmtree(trained.run_dir)  # a new pod: resume must come from the store
+    capfd.readouterr()
+    with pytest.raises(LaunchError, match=r"\.metadata.*refus"):
+        trainer.run(*run, f"train.resume={trained.checkpoint_version}")
+    again = trainer.run(*run)  # auto: the tampered checkpoint is skipped, naming the file
+    out = capfd.readouterr().out
+    assert again.result["steps"] == 4 and "skipping stored checkpoint" in out and ".metadata" in out
+    starts = [e for e in read_records(again.run_dir / "metrics.jsonl")[1] if e["kind"] == "start"]
+    assert starts[-1]["step"] == 0  # trained afresh, never loaded the crafted metadata
+    assert not marker.exists()
+    rec.happened(
+        f"{len(variants)} payloads (dotted names through {len(modules)} modules): validate, resume=<version> and "
+        "resume=auto all refused naming .metadata; no command ran"
+    )
