@@ -51,7 +51,7 @@ def bare_loop(cfg, data_dir: Path, threads: int) -> float:
     opt = build_optimizer(model, cfg.train)
     stamps = []
     for step in range(STEPS):
-        batch = sampler.batch(step, torch.device("cpu"))
+        batch = sampler.batch(step * sampler.samples_per_micro_batch, torch.device("cpu"))
         logits = model(input_ids=batch[:, :-1]).logits
         F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)

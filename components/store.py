@@ -420,18 +420,30 @@ class ArtifactStore:
         src: Path,
         metadata: dict | None = None,
         parents: list[str] | tuple[str, ...] = (),
+        same_content: bool = False,
     ) -> Manifest:
         """Upload a file or directory as kind/name@version; the manifest goes last.
 
         A version that already exists is immutable: publishing it again returns the
-        stored manifest untouched.
+        stored manifest untouched. With `same_content` (versions named by their content) it
+        must also hold the same bytes: otherwise IntegrityError names both.
         """
         ref = Ref(kind, name, version)
         for p in parents:
             Ref.parse(p)
         if self.exists(ref):
+            stored = self.manifest(ref)
+            if same_content:
+                ours = {rel: sha256_file(path) for rel, path in _files_of(src).items()}
+                theirs = {rel: entry["sha256"] for rel, entry in stored.files.items()}
+                if ours != theirs:
+                    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+                    raise IntegrityError(
+                        f"{ref} already exists in {self.description} with other content than {src} "
+                        f"(differing files: {', '.join(differ[:5])}); refusing to keep either silently"
+                    )
             log.info("%s already in the store; not published again", ref)
-            return self.manifest(ref)
+            return stored
         files = _files_of(src)
         if MANIFEST in files:
             raise InvalidKey(f"{src} contains a file named {MANIFEST}, which the store reserves")

@@ -1,7 +1,7 @@
 """Atomic, verifiable, resumable checkpoints with torch.distributed.checkpoint (DCP).
 
 A checkpoint is written to `step-N.tmp/`: DCP shards of model and optimizer, one
-`rank{r}.pt` per rank (RNG states, tensors only), `meta.json` (step, data position, loss,
+`rank{r}.pt` per rank (RNG states, tensors only), `meta.json` (step, global samples consumed, loss,
 identity, model shape), then `checkpoint.json` with the sha256 of every file; the files are
 fsynced and the directory renamed to `step-N/`. Only a renamed directory whose
 checkpoint.json verifies is ever resumed from. Loading unpickles nothing but an allowlist.
@@ -84,6 +84,12 @@ def verify(ckpt: Path) -> dict:
     if (ckpt / ".metadata").is_file():  # hashes prove integrity, not intent: refuse code before DCP sees it
         read_metadata_safely(ckpt / ".metadata")
     return meta
+
+
+def version_of(identity: str, ckpt: Path) -> str:
+    """The store version of a finished checkpoint: its training identity, step and a digest of
+    its index (which holds every file's sha256), so different content never shares a version."""
+    return f"{identity}-step{step_of(ckpt)}-{sha256_file(ckpt / INDEX)[:12]}"
 
 
 def step_of(path: Path) -> int:

@@ -10,10 +10,11 @@ from components.train.inputs import DataFitError
 
 
 class BlockSampler:
-    """Global micro-batch p takes positions [p·M·W, (p+1)·M·W) of an epoch's permutation
-    (M micro batch, W world size); rank r takes its M of them. The permutation of epoch e
-    is seeded by (seed, e), so the whole order follows from (seed, position): resuming at
-    the saved position continues with exactly the next blocks."""
+    """One global sample order, the same whatever the world size: sample k of the run is
+    block `perm(seed, epoch=k // N)[k % N]` of the N train blocks. A micro-batch starting at
+    global sample s gives rank r the samples [s + r·M, s + (r+1)·M) (M micro batch), and the
+    run moves on by M·W samples (W world size). The checkpoint keeps s, so a run resumed on
+    another number of ranks continues with exactly the next samples, none repeated or skipped."""
 
     def __init__(self, blocks: TokenBlocks, micro_batch: int, grad_accum: int, world: int, rank: int, seed: int):
         per_step = micro_batch * grad_accum * world
@@ -23,24 +24,25 @@ class BlockSampler:
                 f"= {per_step} blocks per step, but the train split has only {len(blocks)} blocks"
             )
         self.blocks, self.micro, self.world, self.rank, self.seed = blocks, micro_batch, world, rank, seed
-        self.per_epoch = len(blocks) - len(blocks) % (micro_batch * world)  # every rank gets equal shares
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    @property
+    def samples_per_micro_batch(self) -> int:
+        """Global samples one micro-batch of every rank consumes."""
+        return self.micro * self.world
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.blocks))[: self.per_epoch]
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.blocks))
             self._perm_epoch = epoch
         return self._perm
 
-    def indices(self, position: int) -> list[int]:
-        start = (position * self.world + self.rank) * self.micro
-        out = []
-        for k in range(start, start + self.micro):
-            epoch, offset = divmod(k, self.per_epoch)
-            out.append(int(self._order(epoch)[offset]))
-        return out
+    def indices(self, sample: int) -> list[int]:
+        """This rank's block indices for the micro-batch that starts at global sample `sample`."""
+        start = sample + self.rank * self.micro
+        return [int(self._order(k // len(self.blocks))[k % len(self.blocks)]) for k in range(start, start + self.micro)]
 
-    def batch(self, position: int, device: torch.device) -> torch.Tensor:
-        """(micro, block_len) int64 token ids for global micro-batch `position`."""
-        rows = np.stack([self.blocks[i] for i in self.indices(position)]).astype(np.int64)
+    def batch(self, sample: int, device: torch.device) -> torch.Tensor:
+        """(micro, block_len) int64 token ids for the micro-batch starting at global sample `sample`."""
+        rows = np.stack([self.blocks[i] for i in self.indices(sample)]).astype(np.int64)
         return torch.from_numpy(rows).to(device, non_blocking=True)

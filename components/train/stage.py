@@ -11,14 +11,18 @@ from pathlib import Path
 
 from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_dict, drop_none
 from components.launcher import run_app
-from components.store import ArtifactStore, Manifest, Ref
+from components.store import ArtifactStore, Manifest, Ref, sha256_file
 from components.train.inputs import check_inputs
 
 log = logging.getLogger(__name__)
 
-# Train settings that do not change the math: a run differing only in these continues the
-# same training (same checkpoints); anything else is a new training identity.
+# Train settings that do not change the weights' math up to the current step: a run differing
+# only in these continues the same training (same checkpoints); anything else is a new
+# training identity. `steps` is one of them: a longer run resumes where the shorter one ended
+# (the cosine schedule is then stretched from there on to the new length). So is the world
+# size: DCP reshards the checkpoint and the sample order does not depend on it.
 NOT_IDENTITY = {
+    "steps",
     "checkpoint_dir",
     "checkpoint_interval",
     "checkpoint_keep",
@@ -48,14 +52,9 @@ class TrainResult:
     result: dict
 
 
-def training_identity(dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig) -> str:
+def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> str:
     math = {k: v for k, v in as_plain_dict(train).items() if k not in NOT_IDENTITY}
-    ident = {
-        "dataset": dataset,
-        "model": drop_none(as_plain_dict(model)),
-        "train": math,
-        "world": cluster.nodes * cluster.procs_per_node,
-    }
+    ident = {"dataset": dataset, "model": drop_none(as_plain_dict(model)), "train": math}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -65,7 +64,7 @@ def run_train(
     data_manifest = store.resolve(*_kind_name_version(dataset))
     data_dir = store.fetch(data_manifest)  # cached here, so local ranks find it verified
     check_inputs(data_dir, model, train, cluster, store)
-    identity = training_identity(str(data_manifest.ref), model, train, cluster)
+    identity = training_identity(str(data_manifest.ref), model, train)
     run_dir = Path(train.run_dir).resolve() / identity
     spec = {
         "train": as_plain_dict(train),
@@ -83,10 +82,13 @@ def run_train(
     result = json.loads((run_dir / "result.json").read_text())
     shutil.copyfile(run_dir / "metrics.jsonl", Path(result["export_dir"]) / "training_metrics.jsonl")
     ckpt_ref = f"checkpoint/{model.name}@{result['checkpoint_version']}"
+    # the version names the weights too: a rerun that trains other weights (a code change,
+    # train.resume=never) publishes a new version instead of handing back the stored one
+    weights_digest = sha256_file(Path(result["export_dir"]) / "model.safetensors")[:12]
     manifest = store.publish(
         "model",
         model.name,
-        identity,
+        f"{identity}-{weights_digest}",
         Path(result["export_dir"]),
         metadata={
             "final_loss": result["final_loss"],

@@ -48,7 +48,7 @@ class TrainState:
     """What a checkpoint carries forward besides weights and optimizer state."""
 
     step: int = 0
-    position: int = 0  # global micro-batch index: the data order continues from here
+    samples: int = 0  # global samples consumed: the data order continues from here, on any world size
     skipped: int = 0
     bad_in_row: int = 0
     last_loss: float = math.nan
@@ -130,10 +130,11 @@ def build_job(spec: dict) -> Job:
             store.publish(
                 "checkpoint",
                 model_cfg.name,
-                f"{spec['identity']}-step{meta['step']}",
+                ckpt.version_of(spec["identity"], path),
                 path,
                 metadata=meta,
                 parents=[spec["dataset"]],
+                same_content=True,
             )
 
         publisher = ckpt.BackgroundPublisher(publish)
@@ -177,19 +178,23 @@ def build_job(spec: dict) -> Job:
 
 
 def resume(job: Job, state: TrainState) -> Path | None:
-    """Load the checkpoint `train.resume` chooses into the job; returns its path."""
-    path = find_resume_checkpoint(job.train.resume, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank)
+    """Load the checkpoint `train.resume` chooses into the job; returns its path. A named
+    version seeds the first attempt only: a relaunch continues from the run's own newest."""
+    mode = job.train.resume
+    if mode not in ("auto", "never") and os.environ.get("LIFTOFF_ATTEMPT", "0") != "0":
+        mode = "auto"
+    path = find_resume_checkpoint(mode, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank)
     if path is None:
         return None
     loaded = ckpt.load(path, job.model, job.optimizer, job.rank)
     meta = loaded["meta"]
-    state.step, state.position, state.skipped = meta["step"], meta["position"], meta.get("skipped_steps", 0)
+    state.step, state.samples, state.skipped = meta["step"], meta["samples"], meta.get("skipped_steps", 0)
     if "rng" in loaded["rank_state"]:
         torch.set_rng_state(loaded["rank_state"]["rng"])
     if job.scaler is not None and "scaler_scale" in meta:
         job.scaler.load_state_dict({**job.scaler.state_dict(), "scale": meta["scaler_scale"]})
     job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)  # scales of the loaded weights
-    log.info("resumed from %s at step %d (data position %d)", path, state.step, state.position)
+    log.info("resumed from %s at step %d (global sample %d)", path, state.step, state.samples)
     return path
 
 
@@ -207,10 +212,10 @@ def train_step(job: Job, state: TrainState) -> dict:
     first_batch = None  # replayed to name the culprit module if the step turns out non-finite
     for micro in range(accum):
         t_data = time.perf_counter()
-        batch = job.sampler.batch(state.position, job.device)
+        batch = job.sampler.batch(state.samples, job.device)
         data_s += time.perf_counter() - t_data
         first_batch = batch if first_batch is None else first_batch
-        state.position += 1
+        state.samples += job.sampler.samples_per_micro_batch
         with gradient_sync(job.model, micro == accum - 1):
             with forward:
                 loss = micro_loss(job, batch) / accum
@@ -288,12 +293,12 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
             )
         ckpt.load(target, job.model, job.optimizer, job.rank)
         job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)
-        job.monitor.event("rollback", step=state.step, to=target.name, data_position_kept=state.position)
+        job.monitor.event("rollback", step=state.step, to=target.name, data_samples_kept=state.samples)
         state.bad_in_row = 0
     if state.step % job.train.checkpoint_interval == 0 or state.step == job.train.steps:
         meta = {
             "step": state.step,
-            "position": state.position,
+            "samples": state.samples,
             "loss": state.last_loss,
             "skipped_steps": state.skipped,
             "identity": job.identity,
@@ -329,7 +334,7 @@ def finish(job: Job, state: TrainState) -> dict | None:
         "steps": job.train.steps,
         "skipped_steps": state.skipped,
         "checkpoint": final.name,
-        "checkpoint_version": f"{job.identity}-step{ckpt.step_of(final)}",
+        "checkpoint_version": ckpt.version_of(job.identity, final),
         "export_dir": str(export_dir),
         "publish_errors": job.publisher.errors,
         "world": job.world,

@@ -50,7 +50,7 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     assert main(["run", *FAST]) == 0
     out = capfd.readouterr().out
     assert "val_perplexity:" in out and "artifacts:" in out
-    model_ref = re.search(r"^  (model/tiny@\w+)$", out, re.M).group(1)
+    model_ref = re.search(r"^  (model/tiny@[\w-]+)$", out, re.M).group(1)
     assert main(["artifacts", "show", model_ref]) == 0
     shown = capfd.readouterr().out
     assert re.search(r"^    checkpoint/tiny@\w+-step10", shown, re.M)

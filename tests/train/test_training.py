@@ -35,7 +35,7 @@ def test_two_node_fp8_trains_float8_linears_and_learns_like_fp32(trainer):
     expected = {f"model.layers.{i}.{m}" for i in range(2) for m in FP8_LINEARS}
     assert fp8.result["float8_linear_count"] == 14 and set(fp8.result["float8_linear_modules"]) == expected
     assert fp32.result["float8_linear_count"] == 0
-    stored = trainer.store.resolve("model", "tiny", fp8.identity)
+    stored = trainer.store.manifest(fp8.model.ref)
     assert stored.metadata["float8_linear_count"] == 14
     # fp8 GEMMs change the numerics from the first step on (against fp32, and against bf16, which
     # is fp8's recipe minus the Float8Linears), and still learn as well as fp32
@@ -215,6 +215,47 @@ def test_bad_input_fails_before_launch(trainer, overrides, error, match, capfd):
         trainer.run(*overrides)
     assert "launched" not in capfd.readouterr().err
     assert not (trainer.tmp / "runs").exists()
+
+
+def test_longer_run_resumes_where_the_shorter_ended_on_another_world_size(trainer):
+    """`train.steps` and the world size are not the training identity: 20 steps on 2 ranks,
+    then 30 steps on 1 rank continues at step 20 from the 2-rank checkpoint, with the samples
+    after the ones the first leg consumed."""
+    first = trainer.run(*TWO_NODES, "train.steps=20", "train.checkpoint_interval=10")
+    longer = trainer.run("train.steps=30", "train.checkpoint_interval=10")
+    assert longer.identity == first.identity and longer.run_dir == first.run_dir
+    start = events(longer.run_dir, "start")[-1]
+    assert start["step"] == 20 and start["world"] == 1 and start["resumed_from"].endswith("step-20")
+    # the sample count continues too: 20 steps x 8 x 2 ranks, then 10 steps x 8 x 1 rank
+    assert ckpt.verify(longer.run_dir / "checkpoints" / "step-30")["samples"] == 20 * 8 * 2 + 10 * 8
+
+
+def test_rerun_with_other_weights_publishes_a_new_model_version(trainer):
+    """resume=never with the same identity but different weights (a code change, here a NaN
+    step the second run skips) is a new model version; validate judges the new one."""
+    from components.config import EvalConfig
+    from components.validate.stage import run_validate
+
+    common = ["train.steps=10", "train.checkpoint_interval=5", "train.resume=never"]
+    first = trainer.run(*common)
+    with injected(nan_steps=[3]):
+        second = trainer.run(*common)
+    assert second.identity == first.identity and second.model.ref != first.model.ref
+    assert {m.ref for m in trainer.store.versions("model", "tiny")} == {first.model.ref, second.model.ref}
+    verdict = run_validate(str(second.model.ref), EvalConfig(loss_tolerance=1.0), trainer.store)
+    assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0  # its own checkpoint, not the first run's
+    assert second.checkpoint_version != first.checkpoint_version
+
+
+def test_a_stored_checkpoint_version_with_other_content_is_an_error(trainer, tmp_path):
+    from components.store import IntegrityError
+
+    r = trainer.run("train.steps=5", "train.warmup_steps=1", "train.checkpoint_interval=5")
+    stored = trainer.store.resolve("checkpoint", "tiny", r.checkpoint_version)
+    local = trainer.store.fetch(stored, tmp_path / "copy")
+    (local / "meta.json").write_text("{}")
+    with pytest.raises(IntegrityError, match="already exists .* other content .*meta.json"):
+        trainer.store.publish("checkpoint", "tiny", r.checkpoint_version, local, same_content=True)
 
 
 def test_resume_from_checkpoint_of_another_shape_fails_before_launch(trainer):

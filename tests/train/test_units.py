@@ -104,14 +104,18 @@ class FakeBlocks(list):
     pass
 
 
-def test_sampler_is_deterministic_sharded_and_resumable():
+def test_sampler_order_is_deterministic_sharded_and_independent_of_the_world_size():
     blocks = FakeBlocks(np.arange(100).reshape(100, 1))
     a0 = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=0, seed=7)
     a1 = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=1, seed=7)
-    seen = [i for p in range(12) for i in a0.indices(p) + a1.indices(p)]
-    assert len(seen) == 96 and len(set(seen)) == 96  # one epoch, no block twice, ranks disjoint
-    resumed = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=0, seed=7)
-    assert resumed.indices(5) == a0.indices(5) and resumed.indices(30) == a0.indices(30)
+    one = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=1, rank=0, seed=7)
+    two_ranks = [i for s in range(0, 96, 8) for i in a0.indices(s) + a1.indices(s)]
+    assert len(set(two_ranks)) == 96  # no block twice within an epoch, ranks disjoint
+    assert two_ranks == [i for s in range(0, 96, 4) for i in one.indices(s)]  # same order on 1 rank
+    # 2 ranks for 40 samples, then resumed on 1 rank at sample 40, across the epoch boundary
+    uninterrupted = [i for s in range(0, 160, 4) for i in one.indices(s)]
+    resumed = two_ranks[:40] + [i for s in range(40, 160, 4) for i in one.indices(s)]
+    assert resumed == uninterrupted and sorted(uninterrupted[:100]) == list(range(100))
     other_seed = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=0, seed=8)
     assert other_seed.indices(0) != a0.indices(0)
 
