@@ -219,6 +219,14 @@ class ConfigError(ValueError):
     """A config value that is well-typed but cannot work; the message names the key."""
 
 
+# Rules that read a second group, besides the group of the key they name.
+CROSS_GROUP = {("data.seq_len", "model"), ("preflight.min_healthy_nodes", "cluster")}
+
+
+def _needs(key: str) -> set[str]:
+    return {key.split(".")[0]} | {group for k, group in CROSS_GROUP if k == key}
+
+
 def _rules(cfg: Config) -> list[tuple[str, bool, str]]:
     d, m, t, c, p, e, tok = cfg.data, cfg.model, cfg.train, cfg.cluster, cfg.preflight, cfg.eval, cfg.tokenizer
     return [
@@ -290,6 +298,26 @@ def check_config(cfg: DictConfig | Config) -> None:
     bad = [f"{key}: {msg}" for key, ok, msg in _rules(obj) if not ok]
     if bad:
         raise ConfigError("invalid config:\n  " + "\n  ".join(bad))
+
+
+def checked_groups(**values: dict[str, Any]) -> dict[str, Any]:
+    """The typed groups a stage receives as plain dicts (KFP parameters), re-validated with the
+    compose-time types and rules that involve only these groups: a group edited as JSON in the
+    Kubeflow UI is held to the same rules as the command line. ConfigError names the key."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    typed = {}
+    for name, value in values.items():
+        try:
+            typed[name] = group_from_dict(GROUP_SCHEMAS[name], value)
+        except OmegaConfBaseException as e:
+            detail = str(e.msg).splitlines()[0]
+            raise ConfigError(f"invalid config: {name}.{getattr(e, 'full_key', '') or '?'}: {detail}") from None
+    cfg = Config(**typed)
+    bad = [f"{key}: {msg}" for key, ok, msg in _rules(cfg) if not ok and _needs(key) <= typed.keys()]
+    if bad:
+        raise ConfigError("invalid config: " + "; ".join(bad))
+    return typed
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:

@@ -15,12 +15,13 @@ def evaluate(model_ref: str, eval: dict, store: dict, metrics: Output[Metrics], 
     import logging
     from pathlib import Path
 
-    from components.config import EvalConfig, StoreConfig, group_from_dict
+    from components.config import checked_groups
     from components.evaluate.stage import run_evaluate
     from components.store import open_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = run_evaluate(model_ref, group_from_dict(EvalConfig, eval), open_store(group_from_dict(StoreConfig, store)))
+    groups = checked_groups(eval=eval, store=store)  # a UI-edited group is checked like the CLI's
+    result = run_evaluate(model_ref, groups["eval"], open_store(groups["store"]))
     print(f"liftoff-stage evaluate compute_s={time.perf_counter() - started:.3f}", flush=True)
     for name, value in result.metrics.items():
         metrics.log_metric(name, float(value))

@@ -26,25 +26,18 @@ def preflight(
     import logging
     from pathlib import Path
 
-    from components.config import (
-        ClusterConfig,
-        ModelConfig,
-        PreflightConfig,
-        StoreConfig,
-        TrainConfig,
-        group_from_dict,
-    )
+    from components.config import checked_groups
     from components.preflight.stage import gate, report_markdown, run_preflight
     from components.store import open_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = group_from_dict(PreflightConfig, preflight)
-    store_cfg = group_from_dict(StoreConfig, store)
+    g = checked_groups(model=model, train=train, preflight=preflight, cluster=cluster, store=store)  # as the CLI
+    cfg, store_cfg = g["preflight"], g["store"]
     result = run_preflight(
         json.loads(Path(dataset.path).read_text())["ref"],
-        group_from_dict(ModelConfig, model),
-        group_from_dict(TrainConfig, train),
-        group_from_dict(ClusterConfig, cluster),
+        g["model"],
+        g["train"],
+        g["cluster"],
         cfg,
         store_cfg,
         open_store(store_cfg),

@@ -19,16 +19,17 @@ def tokenize(data: dict, tokenizer: dict, model: dict, store: dict, dataset: Out
     import json
     import logging
 
-    from components.config import DataConfig, ModelConfig, StoreConfig, TokenizerConfig, group_from_dict
+    from components.config import checked_groups
     from components.store import open_store
     from components.tokenize.stage import run_tokenize
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    g = checked_groups(data=data, tokenizer=tokenizer, model=model, store=store)  # UI edits checked like the CLI's
     result = run_tokenize(
-        group_from_dict(DataConfig, data),
-        group_from_dict(TokenizerConfig, tokenizer),
-        group_from_dict(ModelConfig, model),
-        open_store(group_from_dict(StoreConfig, store)),
+        g["data"],
+        g["tokenizer"],
+        g["model"],
+        open_store(g["store"]),
     )
     print(f"liftoff-stage tokenize compute_s={time.perf_counter() - started:.3f}", flush=True)
     ref = str(result.manifest.ref)

@@ -25,18 +25,19 @@ def train(
     import logging
     from pathlib import Path
 
-    from components.config import ClusterConfig, ModelConfig, StoreConfig, TrainConfig, group_from_dict
+    from components.config import checked_groups
     from components.store import open_store
     from components.train.report import curves_html, final_metrics
     from components.train.stage import run_train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store_cfg = group_from_dict(StoreConfig, store)
+    g = checked_groups(model=model, train=train, cluster=cluster, store=store)  # UI edits checked like the CLI's
+    store_cfg = g["store"]
     result = run_train(
         json.loads(Path(dataset.path).read_text())["ref"],
-        group_from_dict(ModelConfig, model),
-        group_from_dict(TrainConfig, train),
-        group_from_dict(ClusterConfig, cluster),
+        g["model"],
+        g["train"],
+        g["cluster"],
         store_cfg,
         open_store(store_cfg),
     )

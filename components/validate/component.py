@@ -16,13 +16,14 @@ def validate(trained_model: Input[Model], eval: dict, store: dict, verdict: Outp
     import logging
     from pathlib import Path
 
-    from components.config import EvalConfig, StoreConfig, group_from_dict
+    from components.config import checked_groups
     from components.store import open_store
     from components.validate.stage import run_validate
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ref = json.loads(Path(trained_model.path).read_text())["ref"]
-    result = run_validate(ref, group_from_dict(EvalConfig, eval), open_store(group_from_dict(StoreConfig, store)))
+    groups = checked_groups(eval=eval, store=store)  # a UI-edited group is checked like the CLI's
+    result = run_validate(ref, groups["eval"], open_store(groups["store"]))
     print(f"liftoff-stage validate compute_s={time.perf_counter() - started:.3f}", flush=True)
     for name, ok in result.checks.items():
         verdict.log_metric(f"check_{name}", 1.0 if ok else 0.0)

@@ -96,3 +96,24 @@ def test_bad_override_and_unknown_subcommand_are_one_line(in_tmp, capfd):
     assert main(["launch"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "train.nonsense" in err[0] and "unknown command 'launch'" in err[1]
+
+
+def test_a_group_edited_as_the_ui_sends_it_fails_in_the_stage_naming_the_key(in_tmp, capfd):
+    """Clone run in the Kubeflow UI: the train group's JSON edited to a value compose would
+    refuse. kfp.local runs the real pipeline; the first stage that receives `train` refuses it."""
+    import kfp.local
+
+    from components.config import compose, group_dicts
+    from pipelines.pretrain import build_pipeline
+
+    groups = group_dicts(compose(FAST))
+    groups["train"]["warmup_steps"] = groups["train"]["steps"] + 5
+    groups["store"] = {**groups["store"], "root": str(in_tmp / "artifacts"), "cache_dir": str(in_tmp / ".cache")}
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(in_tmp / "kfp"))
+    with pytest.raises(RuntimeError):
+        build_pipeline()(**groups)
+    out = "\n".join(capfd.readouterr())
+    stage_lines = [ln for ln in out.splitlines() if "ConfigError: invalid config: train.warmup_steps" in ln]
+    assert stage_lines and "must be >= 0 and < train.steps=10" in stage_lines[-1]
+    assert executed(out) == ["tokenize", "preflight"]  # train never launched
+    assert not (in_tmp / "runs").exists()
