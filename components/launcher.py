@@ -40,6 +40,25 @@ def encode_spec(spec: dict) -> str:
     return base64.urlsafe_b64encode(json.dumps(spec).encode()).decode()
 
 
+def worker_spec(argv: list[str] | None) -> dict:
+    """The start of every launched worker: its spec from `--spec-b64`, log lines that name the
+    rank, and the thread count the launcher chose for this host."""
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec-b64", required=True)
+    spec = decode_spec(parser.parse_args(argv).spec_b64)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
+    )
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return spec
+
+
 def threads_per_process(cluster: ClusterConfig) -> int:
     """Cores / processes on one host: locally every "node" shares this machine."""
     if cluster.scheduler == Scheduler.local_cwd:

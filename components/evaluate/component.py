@@ -9,16 +9,15 @@ from components import STAGE_IMAGE
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
 def evaluate(model_ref: str, eval: dict, store: dict, metrics: Output[Metrics], report: Output[HTML]) -> str:
     """Returns the evaluation's reference in the store."""
-    import time
-
-    started = time.perf_counter()  # the stage's own time includes loading its libraries
     import logging
+    import time
     from pathlib import Path
 
     from components.config import checked_groups
     from components.evaluate.stage import run_evaluate
     from components.store import open_store
 
+    started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     groups = checked_groups(eval=eval, store=store)  # a UI-edited group is checked like the CLI's
     result = run_evaluate(model_ref, groups["eval"], open_store(groups["store"]))

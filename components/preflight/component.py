@@ -19,17 +19,16 @@ def preflight(
     nodes: Output[Dataset],
 ) -> str:
     """Fails the run when too few nodes are healthy or the plan does not fit; returns 'ok'."""
-    import time
-
-    started = time.perf_counter()  # the stage's own time includes loading its libraries
     import json
     import logging
+    import time
     from pathlib import Path
 
     from components.config import checked_groups
     from components.preflight.stage import gate, report_markdown, run_preflight
     from components.store import open_store
 
+    started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     g = checked_groups(model=model, train=train, preflight=preflight, cluster=cluster, store=store)  # as the CLI
     cfg, store_cfg = g["preflight"], g["store"]

@@ -6,10 +6,8 @@ the store, where the stage (which may run in another pod) reads them back.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -20,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from components.config import PreflightConfig, StoreConfig, group_from_dict
-from components.launcher import PLUGIN_ENV, decode_spec
+from components.launcher import PLUGIN_ENV, worker_spec
 from components.precision import RECIPES
 from components.preflight import bench
 from components.store import Ref, open_store
@@ -59,15 +57,7 @@ def measure_node(cfg: PreflightConfig, spec: dict, rank: int, device: torch.devi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec-b64", required=True)
-    spec = decode_spec(parser.parse_args(argv).spec_b64)
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stdout,
-        format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
-    )
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    spec = worker_spec(argv)
     cfg = group_from_dict(PreflightConfig, spec["preflight"])
     store = open_store(group_from_dict(StoreConfig, spec["store"]))
     rank, world, device = init_distributed(timeout_s=300)

@@ -13,16 +13,15 @@ def tokenize(data: dict, tokenizer: dict, model: dict, store: dict, dataset: Out
     The artifact holds a pointer (ref.json) to the version in liftoff's store rather
     than a second copy of the blocks; downstream stages fetch it (cached, verified).
     """
-    import time
-
-    started = time.perf_counter()  # the stage's own time includes loading its libraries
     import json
     import logging
+    import time
 
     from components.config import checked_groups
     from components.store import open_store
     from components.tokenize.stage import run_tokenize
 
+    started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     g = checked_groups(data=data, tokenizer=tokenizer, model=model, store=store)  # UI edits checked like the CLI's
     result = run_tokenize(

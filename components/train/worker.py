@@ -8,7 +8,6 @@ screen: micro-batches forward/backward, all ranks agree on the loss, then clip a
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import logging
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from components.config import ModelConfig, StoreConfig, TrainConfig, group_from_dict
-from components.launcher import PLUGIN_ENV, decode_spec
+from components.launcher import PLUGIN_ENV, worker_spec
 from components.precision import Recipe, recipe
 from components.precision.fp8 import float8_cast_configs, float8_modules
 from components.store import ArtifactStore, Ref, open_store
@@ -384,15 +383,7 @@ def install_plugin(job: Job, state: TrainState) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec-b64", required=True)
-    spec = decode_spec(parser.parse_args(argv).spec_b64)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stdout,
-    )
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    spec = worker_spec(argv)
     job = build_job(spec)
     state = TrainState()
     install_plugin(job, state)

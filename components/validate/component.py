@@ -9,17 +9,16 @@ from components import STAGE_IMAGE
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
 def validate(trained_model: Input[Model], eval: dict, store: dict, verdict: Output[Metrics]) -> str:
     """Returns the validated model reference, for evaluate."""
-    import time
-
-    started = time.perf_counter()  # the stage's own time includes loading its libraries
     import json
     import logging
+    import time
     from pathlib import Path
 
     from components.config import checked_groups
     from components.store import open_store
     from components.validate.stage import run_validate
 
+    started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ref = json.loads(Path(trained_model.path).read_text())["ref"]
     groups = checked_groups(eval=eval, store=store)  # a UI-edited group is checked like the CLI's

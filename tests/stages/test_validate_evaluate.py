@@ -127,9 +127,13 @@ def test_evaluate_beats_unigram_and_reports(trained):
 
 
 def test_evaluate_with_baseline_reports_deltas(trained):
+    """Against another model (fewer steps, another seed), evaluated on its own as the reference."""
     trainer, ref = trained
-    result = run_evaluate(ref, EvalConfig(val_blocks=8, prompts=[], baseline=ref), trainer.store)
-    assert result.metrics["baseline_val_loss"] == pytest.approx(result.metrics["val_loss"])
+    weaker = str(trainer.run("train.steps=8", "train.warmup_steps=2", "train.seed=1").model.ref)
+    alone = run_evaluate(weaker, EvalConfig(val_blocks=8, prompts=[]), trainer.store)
+    result = run_evaluate(ref, EvalConfig(val_blocks=8, prompts=[], baseline=weaker), trainer.store)
+    assert result.metrics["baseline_val_loss"] == pytest.approx(alone.metrics["val_loss"])
+    assert result.metrics["val_loss"] < result.metrics["baseline_val_loss"]  # 60 steps beat 8
     assert "delta vs baseline" in result.html
 
 

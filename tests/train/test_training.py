@@ -284,6 +284,23 @@ def test_metrics_jsonl_has_the_monitoring_fields(trainer):
     assert json.loads((r.run_dir / "result.json").read_text())["steps"] == 6
 
 
+def test_fsdp_trains_the_same_weights_as_ddp(trainer):
+    """FSDP2's sharded training against DDP as the reference implementation: same seed, same
+    data, fp32, two ranks; only the reduction order differs."""
+    common = [*TWO_NODES, "train.precision=fp32", "train.steps=10", "train.warmup_steps=2"]
+    ddp = trainer.run(*common, "train.parallelism=ddp", "train.checkpoint_interval=10")
+    fsdp = Trainer(trainer.dataset_store, trainer.tmp / "fsdp").run(*common, "train.parallelism=fsdp")
+    assert fsdp.result["wrapped_modules"]["fsdp"] == 3 and ddp.result["wrapped_modules"]["fsdp"] == 0
+    a, b = final_weights(ddp), final_weights(fsdp)
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
+    from components.config import ModelConfig
+    from components.train.model import build_model
+
+    init = build_model(ModelConfig(), 1024, seed=0).state_dict()
+    assert max(float((a[k] - init[k]).abs().max()) for k in a) > 1e-3  # it did train
+
+
 def test_fsdp_bf16_async_checkpoints_on_two_nodes(trainer):
     from components.config import EvalConfig
     from components.validate.stage import run_validate
