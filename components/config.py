@@ -142,7 +142,7 @@ class PreflightConfig:
 class EvalConfig:
     val_blocks: int = 64  # 0 = the whole val split
     batch_size: int = 8
-    loss_tolerance: float = 0.5  # validate: |val loss - recorded loss| allowed
+    loss_tolerance: float = 0.05  # validate: |stored model loss - recorded probe loss| allowed
     prompts: list[str] = field(default_factory=lambda: ["The "])
     max_new_tokens: int = 32
     lm_eval_tasks: list[str] = field(default_factory=list)

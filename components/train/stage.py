@@ -92,6 +92,8 @@ def run_train(
         Path(result["export_dir"]),
         metadata={
             "final_loss": result["final_loss"],
+            "probe_loss": result["probe_loss"],
+            "probe_blocks": result["probe_blocks"],
             "steps": result["steps"],
             "identity": identity,
             "train": as_plain_dict(train),

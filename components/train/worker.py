@@ -310,9 +310,28 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
         job.checkpointer.save(state.step, job.model, job.optimizer, meta, {"rng": torch.get_rng_state()})
 
 
+PROBE_BLOCKS = 8
+
+
+def probe_loss(job: Job) -> float | None:
+    """The trained model's loss as it trained (its wrappers and precision) on the first val
+    blocks; validate recomputes it from the stored export, in fp32, in another process. A
+    collective under FSDP: every rank runs it. Compiled blocks run eagerly (no recompile)."""
+    import numpy as np
+
+    val = open_token_blocks(job.data_dir, "val")
+    n = min(PROBE_BLOCKS, len(val))
+    if n == 0:
+        return None
+    batch = torch.from_numpy(np.stack([val[i] for i in range(n)]).astype(np.int64)).to(job.device)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        return float(micro_loss(job, batch))
+
+
 def finish(job: Job, state: TrainState) -> dict | None:
     """Wait for the last checkpoint, export the model, write the run's result (rank 0)."""
     job.checkpointer.wait()
+    probe = probe_loss(job)
     export_dir = Path(job.spec["run_dir"]) / "export"
     export_hf(
         job.model,
@@ -330,6 +349,8 @@ def finish(job: Job, state: TrainState) -> dict | None:
     final = ckpt.local_checkpoints(job.ckpt_root)[0]
     return {
         "final_loss": state.last_loss,
+        "probe_loss": probe,
+        "probe_blocks": PROBE_BLOCKS,
         "steps": job.train.steps,
         "skipped_steps": state.skipped,
         "checkpoint": final.name,

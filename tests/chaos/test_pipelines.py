@@ -74,7 +74,7 @@ def test_two_pipelines_at_once_against_one_store(tmp_path, chaos):
     lrs = set()
     for m in models:
         ckpt = next(p for p in m.parents if p.startswith("checkpoint/"))
-        assert str(datasets[0].ref) in m.parents and ckpt.split("@")[1].startswith(m.ref.version)
+        assert str(datasets[0].ref) in m.parents and ckpt.split("@")[1].startswith(m.metadata["identity"])
         assert store.exists(Ref.parse(ckpt))
         lrs.add(m.metadata["train"]["lr"])
     assert lrs == {0.001, 0.003}

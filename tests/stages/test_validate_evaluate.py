@@ -46,6 +46,23 @@ def test_good_model_passes_every_check(trained):
         "loss_agrees",
     }
     assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0
+    # the fp32 model recomputed from the store matches what the live model measured in training
+    assert verdict.numbers["loss_gap"] < 1e-5
+
+
+def test_a_model_that_is_not_what_training_measured_fails_the_loss_check(trained, tmp_path):
+    """The stored weights (export and checkpoint agreeing) against the loss the live model had
+    at the end of training: a model whose recorded probe loss differs fails, naming the gap."""
+    import json
+
+    trainer, ref = trained
+    store = copy_store(trainer, tmp_path)
+    manifest_path = tmp_path / "store" / Ref.parse(ref).prefix / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["metadata"]["probe_loss"] += 0.2
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ValidationFailed, match=r"loss check: .* first 8 val blocks .* eval.loss_tolerance=0.05"):
+        run_validate(ref, EvalConfig(), store)
 
 
 def test_flipped_byte_in_safetensors_fails_naming_the_file(trained, tmp_path):
