@@ -61,7 +61,7 @@ def cmd_artifacts(args: list[str]) -> int:
 
 
 def _print_lineage(node: dict, depth: int) -> None:
-    note = " (missing)" if node.get("missing") else f"  created {node.get('created')}"
+    note = " (missing)" if node.get("missing") else f"  created {node.get('created')}  code {node.get('code_version')}"
     print("  " * depth + node["ref"] + note)
     for parent in node["parents"]:
         _print_lineage(parent, depth + 1)

@@ -242,9 +242,14 @@ def test_rerun_with_other_weights_publishes_a_new_model_version(trainer):
         second = trainer.run(*common)
     assert second.identity == first.identity and second.model.ref != first.model.ref
     assert {m.ref for m in trainer.store.versions("model", "tiny")} == {first.model.ref, second.model.ref}
-    verdict = run_validate(str(second.model.ref), EvalConfig(loss_tolerance=1.0), trainer.store)
+    verdict = run_validate(str(second.model.ref), EvalConfig(), trainer.store)
     assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0  # its own checkpoint, not the first run's
+    assert verdict.numbers["recorded_loss"] == second.result["probe_loss"] != first.result["probe_loss"]
     assert second.checkpoint_version != first.checkpoint_version
+    from components.evaluate.stage import run_evaluate
+
+    evaluation = run_evaluate(str(second.model.ref), EvalConfig(val_blocks=8, prompts=[]), trainer.store)
+    assert str(second.model.ref) in evaluation.manifest.parents
 
 
 def test_a_stored_checkpoint_version_with_other_content_is_an_error(trainer, tmp_path):
