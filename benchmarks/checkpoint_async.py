@@ -25,9 +25,10 @@ from benchmarks.common import report
 
 
 def main() -> None:
+    from components.checkpoint_format import local_checkpoints, verify
     from components.config import ModelConfig, TrainConfig
     from components.launcher import free_port
-    from components.train.checkpoint import Checkpointer, local_checkpoints, verify
+    from components.train.checkpoint import Checkpointer
     from components.train.model import build_model
     from components.train.optim import build_optimizer
 

@@ -29,7 +29,7 @@ def write_dataset(root: Path, n_blocks: int) -> None:
     """The same random tokens as a liftoff dataset (root/ds) and a flat uint16 file (root/flat.u16)."""
     import datasets
 
-    from components.tokenize.blocks import BlockWriter
+    from components.blocks import BlockWriter
 
     rng = np.random.default_rng(0)
     arrow = root / "blocks.arrow"
@@ -52,7 +52,7 @@ def reads_per_second(get, idx: np.ndarray) -> float:
 
 
 def main() -> None:
-    from components.tokenize.blocks import open_token_blocks
+    from components.blocks import open_token_blocks
 
     results, rss = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

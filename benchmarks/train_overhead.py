@@ -52,8 +52,8 @@ def bare_loop(data_dir: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from components.blocks import open_token_blocks
     from components.config import compose
-    from components.tokenize.blocks import open_token_blocks
     from components.train.data import BlockSampler
     from components.train.model import build_model
     from components.train.optim import build_optimizer
@@ -100,9 +100,9 @@ def run_bare(data_dir: Path) -> float:
 
 def main() -> None:
     from components.config import StoreConfig, compose
+    from components.plots import read_records
     from components.store import open_store
     from components.tokenize.stage import run_tokenize
-    from components.train.report import read_records
     from components.train.stage import run_train
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -167,8 +167,24 @@ def run_once(
             + (f"; replica {failing} failed" if failing is not None else "")
             + (f": {cause}" if cause else "")
             + "; last log lines:\n"
-            + "\n".join(seen[-tail_lines:])
+            + "\n".join(log_tail(seen, tail_lines))
         )
+
+
+# torchrun's C++ stack frames and banners after a worker died: they push the worker's own
+# last words (its exception, the watchdog's thread dump) out of any fixed-size tail
+_NOISE = re.compile(r"^(frame #\d+:|Exception raised from |=+$|\[W\d+ |\s*\^+$)")
+
+
+def log_tail(lines: list[str], n: int) -> list[str]:
+    """The last `n` meaningful lines; a watchdog's thread dump is kept whole (capped at 3n)
+    because the stacks are the one thing that explains a hang."""
+    kept = [ln for ln in lines if not _NOISE.match(ln)]
+    dump = next((i for i in range(len(kept) - 1, -1, -1) if "watchdog: no training progress" in kept[i]), None)
+    if dump is None:
+        return kept[-n:]
+    end = dump + 3 * n
+    return kept[dump:end] + (["..."] if len(kept) > end else []) + kept[max(end, len(kept) - n) :]
 
 
 def root_cause(lines: list[str]) -> str | None:

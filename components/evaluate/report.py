@@ -6,7 +6,7 @@ import html
 import json
 from pathlib import Path
 
-from components.train.report import curve_png, read_records
+from components.plots import curve_png, read_records
 
 
 def report_html(

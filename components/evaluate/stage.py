@@ -9,12 +9,12 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from components.blocks import load_tokenizer, open_token_blocks
 from components.config import EvalConfig
 from components.evaluate.metrics import greedy_samples, perplexity, token_byte_lengths, unigram_perplexity
 from components.evaluate.report import report_html
+from components.hf import load_hf_model
 from components.store import ArtifactStore, Manifest, Ref
-from components.tokenize.blocks import load_tokenizer, open_token_blocks
-from components.validate.checks import load_hf_model
 
 log = logging.getLogger(__name__)
 

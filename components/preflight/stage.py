@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.blocks import load_stats
 from components.config import (
     ClusterConfig,
     ModelConfig,
@@ -26,7 +27,6 @@ from components.precision import recipe
 from components.preflight.plan import Plan, fits, format_plan, plan
 from components.preflight.verdict import NodeVerdict, judge
 from components.store import ArtifactStore, Ref
-from components.tokenize.blocks import load_stats
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from components.config import PreflightConfig, StoreConfig, group_from_dict
+from components.distributed import init_distributed
 from components.launcher import PLUGIN_ENV, worker_spec
 from components.precision import RECIPES
 from components.preflight import bench
 from components.store import Ref, open_store
-from components.train.parallel import init_distributed
 
 
 def storage_probe(store, dataset: str | None, probe_mb: int, rank: int) -> dict:

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.blocks import SPLITS, BlockWriter
 from components.config import DataConfig, ModelConfig, TokenizerConfig, as_plain_dict
 from components.store import ArtifactStore, Manifest, Ref
-from components.tokenize.blocks import SPLITS, BlockWriter
 from components.tokenize.documents import DataError, clean_and_split, load_documents, source_files, source_fingerprint
 from components.tokenize.pack import block_dtype, pack_token_blocks, token_shards
 from components.tokenize.tokenizer import load_pretrained, save_tokenizer, tokenizer_identity, train_bpe

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from components.tokenize.blocks import TokenBlocks
+from components.blocks import TokenBlocks
 from components.train.inputs import DataFitError
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from components.blocks import load_stats
 from components.config import ClusterConfig, ModelConfig, TrainConfig
 from components.precision import recipe
 from components.store import ArtifactStore, Ref
-from components.tokenize.blocks import load_stats
 
 
 class TrainInputError(ValueError):

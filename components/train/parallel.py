@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -12,19 +10,6 @@ import torch.distributed as dist
 from components.config import Parallelism
 from components.precision import Recipe
 from components.train.model import transformer_blocks
-
-
-def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
-    """gloo on CPU, NCCL on GPU; returns (rank, world size, device)."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 def apply_compile(model: torch.nn.Module) -> None:

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import statistics
 from pathlib import Path
 
-
-def read_records(path: Path) -> tuple[list[dict], list[dict]]:
-    steps, events = [], []
-    for line in Path(path).read_text().splitlines():
-        rec = json.loads(line)
-        (steps if rec.get("kind") == "step" else events).append(rec)
-    return steps, events
+from components.plots import curve_png, read_records
 
 
 def final_metrics(path: Path) -> dict[str, float]:
@@ -37,24 +29,6 @@ def final_metrics(path: Path) -> dict[str, float]:
     if mfus:
         out["mfu"] = statistics.median(mfus)
     return out
-
-
-def curve_png(steps: list[dict], key: str, ylabel: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot([s["step"] for s in steps], [s[key] for s in steps])
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 def curves_html(path: Path) -> str:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from components import checkpoint_format as ckpt
 from components.config import ModelConfig
 from components.store import ArtifactStore, NotFound, Ref, StoreError
-from components.train import checkpoint as ckpt
 from components.train.inputs import ResumeError, check_shape
 
 log = logging.getLogger(__name__)

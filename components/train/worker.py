@@ -22,12 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from components import checkpoint_format
+from components.blocks import load_stats, open_token_blocks
 from components.config import ModelConfig, StoreConfig, TrainConfig, group_from_dict
+from components.distributed import init_distributed
 from components.launcher import PLUGIN_ENV, worker_spec
 from components.precision import Recipe, recipe
 from components.precision.fp8 import float8_cast_configs, float8_modules
 from components.store import ArtifactStore, Ref, open_store
-from components.tokenize.blocks import load_stats, open_token_blocks
 from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.data import BlockSampler
@@ -36,7 +38,7 @@ from components.train.model import build_model, count_params, flops_per_token
 from components.train.monitor import DeviceTimer, Monitor, StepLine, Watchdog, device_peak_tflops, peak_memory_bytes
 from components.train.nonfinite import clean_name, first_nonfinite_module
 from components.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
-from components.train.parallel import apply_compile, gradient_sync, init_distributed, wrap
+from components.train.parallel import apply_compile, gradient_sync, wrap
 from components.train.resume import find_resume_checkpoint
 
 log = logging.getLogger("liftoff.train")
@@ -122,24 +124,7 @@ def build_job(spec: dict) -> Job:
     optimizer = build_optimizer(model, train)
     scaler = torch.amp.GradScaler(device.type) if train.loss_scaling else None
 
-    publisher = None
-    if rank == 0:
-
-        def publish(path: Path, meta: dict) -> None:
-            store.publish(
-                "checkpoint",
-                model_cfg.name,
-                ckpt.version_of(spec["identity"], path),
-                path,
-                metadata=meta,
-                parents=[spec["dataset"]],
-                same_content=True,
-            )
-
-        publisher = ckpt.BackgroundPublisher(publish)
-    checkpointer = ckpt.Checkpointer(
-        Path(spec["checkpoint_dir"]), train.checkpoint_keep, train.checkpoint_async, rank, publisher
-    )
+    checkpointer, publisher = build_checkpointer(spec, train, store, model_cfg.name, rank)
     monitor = Monitor(
         Path(spec["run_dir"]),
         rank,
@@ -174,6 +159,32 @@ def build_job(spec: dict) -> Job:
         flops_per_token=n_flops,
         float8_modules=float8,
     )
+
+
+def build_checkpointer(
+    spec: dict, train: TrainConfig, store: ArtifactStore, model_name: str, rank: int
+) -> tuple[ckpt.Checkpointer, ckpt.BackgroundPublisher | None]:
+    """The checkpointer; on rank 0 also the background publisher that uploads each finished
+    checkpoint under a version naming its identity, step and content."""
+    publisher = None
+    if rank == 0:
+
+        def publish(path: Path, meta: dict) -> None:
+            store.publish(
+                "checkpoint",
+                model_name,
+                checkpoint_format.version_of(spec["identity"], path),
+                path,
+                metadata=meta,
+                parents=[spec["dataset"]],
+                same_content=True,
+            )
+
+        publisher = ckpt.BackgroundPublisher(publish)
+    checkpointer = ckpt.Checkpointer(
+        Path(spec["checkpoint_dir"]), train.checkpoint_keep, train.checkpoint_async, rank, publisher
+    )
+    return checkpointer, publisher
 
 
 def resume(job: Job, state: TrainState) -> Path | None:
@@ -346,7 +357,7 @@ def finish(job: Job, state: TrainState) -> dict | None:
         return None
     job.publisher.join()
     job.checkpointer.prune()
-    final = ckpt.local_checkpoints(job.ckpt_root)[0]
+    final = checkpoint_format.local_checkpoints(job.ckpt_root)[0]
     return {
         "final_loss": state.last_loss,
         "probe_loss": probe,
@@ -354,7 +365,7 @@ def finish(job: Job, state: TrainState) -> dict | None:
         "steps": job.train.steps,
         "skipped_steps": state.skipped,
         "checkpoint": final.name,
-        "checkpoint_version": ckpt.version_of(job.identity, final),
+        "checkpoint_version": checkpoint_format.version_of(job.identity, final),
         "export_dir": str(export_dir),
         "publish_errors": job.publisher.errors,
         "world": job.world,

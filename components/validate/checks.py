@@ -40,26 +40,11 @@ def verify_files(local: Path, manifest: Manifest) -> int:
     return len(manifest.files)
 
 
-def load_hf_model(model_dir: Path):
-    """Load with transformers from safetensors only (never a pickled .bin)."""
-    from transformers import AutoModelForCausalLM
-
-    if not (model_dir / "config.json").is_file():
-        raise ValidationFailed(f"{model_dir}: no config.json; not a Hugging Face model directory")
-    if not list(model_dir.glob("*.safetensors")):
-        raise ValidationFailed(f"{model_dir}: no .safetensors weights (pickled weights are refused)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True)
-    except Exception as e:  # transformers raises many types for a damaged model
-        raise ValidationFailed(f"{model_dir}: does not load with transformers: {e}") from None
-    return model.eval()
-
-
 def load_checkpoint_weights(ckpt_dir: Path, hf_model) -> dict[str, torch.Tensor]:
     """The model weights of a DCP checkpoint, read into a copy of the model's own state dict."""
     import torch.distributed.checkpoint as dcp
 
-    from components.train.checkpoint import SafeFileSystemReader
+    from components.checkpoint_format import SafeFileSystemReader
 
     state = {"model": {k: torch.empty_like(v) for k, v in hf_model.state_dict().items()}}
     try:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 import math
 
+from components.blocks import open_token_blocks
+from components.checkpoint_format import CheckpointError, verify
 from components.config import EvalConfig
+from components.hf import ModelLoadError, load_hf_model
 from components.store import ArtifactStore, Ref
-from components.tokenize.blocks import open_token_blocks
-from components.train.checkpoint import CheckpointError, verify
 from components.validate.checks import (
     ValidationFailed,
     Verdict,
     load_checkpoint_weights,
-    load_hf_model,
     mean_loss,
     verify_files,
 )
@@ -39,7 +39,10 @@ def run_validate(model_ref: str, eval_cfg: EvalConfig, store: ArtifactStore) -> 
     except CheckpointError as e:
         raise ValidationFailed(f"checkpoint {ckpt_ref}: {e}") from None
 
-    model = load_hf_model(model_dir)
+    try:
+        model = load_hf_model(model_dir)
+    except ModelLoadError as e:
+        raise ValidationFailed(str(e)) from None
     verdict.passed("loads_with_transformers", parameters=sum(p.numel() for p in model.parameters()))
     weights = load_checkpoint_weights(ckpt_dir, model)
     exported = model.state_dict()

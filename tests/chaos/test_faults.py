@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from components import checkpoint_format as ckpt
 from components.config import StoreBackend, StoreConfig
 from components.launcher import LaunchError
 from components.store import Ref, StoreUnreachable, open_store
-from components.train import checkpoint as ckpt
 from tests.chaos.conftest import TcpProxy, kill_tree
 from tests.conftest import CORPUS, Trainer
 from tests.faults import fault_env

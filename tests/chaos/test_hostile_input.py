@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from components.config import StoreConfig, compose
+from components.plots import read_records
 from components.store import InvalidKey, open_store
 from components.tokenize.documents import DataError
 from components.tokenize.stage import run_tokenize
-from components.train.report import read_records
 from pipelines.cli import main
 
 KEYS = [
@@ -91,8 +91,8 @@ def resume_from_rewritten_manifest(base: Path, rel: str | None, step) -> None:
     checkpoint directory."""
     import json
 
+    from components.checkpoint_format import CheckpointError
     from components.store import IntegrityError, Ref, StoreError
-    from components.train.checkpoint import CheckpointError
     from components.train.resume import _from_store
 
     store = open_store(StoreConfig(root=str(base / "root"), cache_dir=str(base / "cache")))
@@ -187,8 +187,8 @@ class _Exploit:
 def test_files_crafted_to_run_code_on_load_are_refused(tmp_path, chaos):
     import torch
 
-    from components.train.checkpoint import CheckpointError, read_metadata_safely
-    from components.validate.checks import ValidationFailed, load_hf_model
+    from components.checkpoint_format import CheckpointError, read_metadata_safely
+    from components.hf import ModelLoadError, load_hf_model
 
     rec = chaos(
         "checkpoint metadata, rank state and model weights crafted to run code when unpickled",
@@ -206,7 +206,7 @@ def test_files_crafted_to_run_code_on_load_are_refused(tmp_path, chaos):
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "llama"}')
     (model_dir / "pytorch_model.bin").write_bytes(payload)
-    with pytest.raises(ValidationFailed, match="pickled weights are refused"):
+    with pytest.raises(ModelLoadError, match="pickled weights are refused"):
         load_hf_model(model_dir)
     assert not marker.exists()
     rec.happened("metadata unpickler, weights_only load and safetensors-only loading all refused it")
@@ -246,10 +246,10 @@ def test_code_in_stored_checkpoint_metadata_never_runs(dataset_store, tmp_path, 
     import subprocess
     import sys
 
+    from components.checkpoint_format import ALLOWED_GLOBALS
     from components.config import EvalConfig
     from components.launcher import LaunchError
     from components.store import Ref
-    from components.train.checkpoint import ALLOWED_GLOBALS
     from components.validate.checks import ValidationFailed
     from components.validate.stage import run_validate
     from tests.conftest import Trainer

@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from components.config import EvalConfig
 from components.evaluate.stage import EvalInputError, run_evaluate
+from components.hf import ModelLoadError, load_hf_model
 from components.store import ArtifactStore, Ref
-from components.validate.checks import ValidationFailed, load_hf_model
+from components.validate.checks import ValidationFailed
 from components.validate.stage import run_validate
 from tests.conftest import Trainer
 
@@ -106,7 +107,7 @@ def test_nan_weights_fail_the_forward_check(trained, tmp_path):
 
 def test_model_dir_without_config_is_a_clear_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ValidationFailed, match="no config.json"):
+    with pytest.raises(ModelLoadError, match="no config.json"):
         load_hf_model(tmp_path)
 
 
@@ -164,8 +165,8 @@ def test_zero_val_blocks_is_a_clear_error(trained, tmp_path):
     import datasets
     import numpy as np
 
+    from components.blocks import BlockWriter
     from components.evaluate.stage import measure
-    from components.tokenize.blocks import BlockWriter
 
     trainer, ref = trained
     store = copy_store(trainer, tmp_path)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from components.blocks import BlockWriter, load_tokenizer, open_token_blocks
 from components.config import StoreConfig, compose
 from components.store import open_store
 from components.tokenize import stage
-from components.tokenize.blocks import BlockWriter, load_tokenizer, open_token_blocks
 from components.tokenize.documents import DataError
 from components.tokenize.pack import block_dtype
 from tests.conftest import CORPUS

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from components import checkpoint_format as ckpt
 from components.launcher import LaunchError
+from components.plots import read_records
 from components.precision import PrecisionError
-from components.train import checkpoint as ckpt
 from components.train.data import DataFitError
-from components.train.report import read_records
 from components.train.resume import ResumeError, _decide
 from tests.conftest import Trainer
 from tests.faults import injected
