@@ -26,7 +26,7 @@ from benchmarks.common import report
 
 def main() -> None:
     from components.checkpoint_format import local_checkpoints, verify
-    from components.config import ModelConfig, TrainConfig
+    from components.config import defaults
     from components.launcher import free_port
     from components.train.checkpoint import Checkpointer
     from components.train.model import build_model
@@ -35,9 +35,9 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    cfg = ModelConfig(hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=8, ffn_hidden_size=4096)
+    cfg = defaults("model", hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=8, ffn_hidden_size=4096)
     model = build_model(cfg, 1024, seed=0)
-    opt = build_optimizer(model, TrainConfig())
+    opt = build_optimizer(model, defaults("train"))
     ids = torch.randint(0, 1024, (2, 33))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()

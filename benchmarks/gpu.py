@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from components.config import Fp8Recipe, ModelConfig, Parallelism, Precision, TrainConfig
+from components.config import Fp8Recipe, ModelConfig, Parallelism, Precision, TrainConfig, defaults
 
 PRESETS = ("7b", "1b")  # largest first
 CASES = (("bf16", "tensorwise"), ("fp8", "tensorwise"), ("fp8", "rowwise"))
@@ -38,7 +38,8 @@ def preset(name: str) -> ModelConfig:
 
 
 def train_config(precision: str, recipe_name: str, ac_every: int, micro: int) -> TrainConfig:
-    return TrainConfig(
+    return defaults(
+        "train",
         precision=Precision(precision),
         fp8_recipe=Fp8Recipe(recipe_name),
         activation_checkpointing=ac_every > 0,

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from benchmarks.common import report
-from components.config import ModelConfig, Parallelism, Precision, TrainConfig
+from components.config import ModelConfig, Parallelism, Precision, TrainConfig, defaults
 
 SHAPE_125M = dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, ffn_hidden_size=2048)
 
@@ -73,13 +73,17 @@ def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> f
 
 def main(argv: list[str]) -> None:
     torch.set_num_threads(2)
-    model_cfg = ModelConfig(name="125m", max_seq_len=2048, **SHAPE_125M)
+    model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
     seq_len, micro = 512, 2
     rows = {}
     for precision in (Precision.fp32, Precision.bf16, Precision.fp8):
         for ac in (False, True):
-            train = TrainConfig(
-                precision=precision, activation_checkpointing=ac, micro_batch_size=micro, parallelism=Parallelism.ddp
+            train = defaults(
+                "train",
+                precision=precision,
+                activation_checkpointing=ac,
+                micro_batch_size=micro,
+                parallelism=Parallelism.ddp,
             )
             measured, planned = measured_bytes(model_cfg, train, seq_len), planned_bytes(model_cfg, train, seq_len)
             key = f"{precision.value}{'_ac' if ac else ''}"

@@ -14,14 +14,14 @@ BUDGET_S = 60.0
 
 
 def main() -> None:
-    from components.config import StoreConfig, compose
+    from components.config import compose, defaults
     from components.preflight.stage import gate, run_preflight
     from components.store import open_store
     from components.tokenize.stage import run_tokenize
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = OmegaConf.to_object(compose([f"data.paths=[{CORPUS}]", "cluster.nodes=2", f"train.run_dir={tmp}/runs"]))
-        cfg.store = StoreConfig(root=f"{tmp}/store", cache_dir=f"{tmp}/cache")
+        cfg.store = defaults("store", root=f"{tmp}/store", cache_dir=f"{tmp}/cache")
         store = open_store(cfg.store)
         ds = run_tokenize(cfg.data, cfg.tokenizer, cfg.model, store)
         t0 = time.perf_counter()

@@ -42,7 +42,7 @@ def raw_tokens_per_second(src: Path, tok_file: str) -> float:
 
 
 def main() -> None:
-    from components.config import StoreConfig, compose
+    from components.config import compose, defaults
     from components.store import open_store
     from components.tokenize.stage import run_tokenize
 
@@ -58,13 +58,13 @@ def main() -> None:
         size_mb = src.stat().st_size / 1e6
         # train the tokenizer once, then both sides load it
         base = OmegaConf.to_object(compose([f"data.paths=[{CORPUS}]"]))
-        base.store = StoreConfig(root=str(tmp / "s0"), cache_dir=str(tmp / "c0"))
+        base.store = defaults("store", root=str(tmp / "s0"), cache_dir=str(tmp / "c0"))
         first = run_tokenize(base.data, base.tokenizer, base.model, open_store(base.store))
         tok_dir = first.path / "tokenizer"
         cfg = OmegaConf.to_object(
             compose([f"data.paths=[{src}]", f"tokenizer.pretrained={tok_dir}", f"data.num_proc={PROCS}"])
         )
-        cfg.store = StoreConfig(root=str(tmp / "s1"), cache_dir=str(tmp / "c1"))
+        cfg.store = defaults("store", root=str(tmp / "s1"), cache_dir=str(tmp / "c1"))
         t0 = time.perf_counter()
         result = run_tokenize(cfg.data, cfg.tokenizer, cfg.model, open_store(cfg.store))
         stage_seconds = time.perf_counter() - t0

@@ -99,7 +99,7 @@ def run_bare(data_dir: Path) -> float:
 
 
 def main() -> None:
-    from components.config import StoreConfig, compose
+    from components.config import compose, defaults
     from components.plots import read_records
     from components.store import open_store
     from components.tokenize.stage import run_tokenize
@@ -107,7 +107,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = OmegaConf.to_object(compose([f"data.paths=[{CORPUS}]", f"train.run_dir={tmp}/runs", *SHAPE]))
-        cfg.store = StoreConfig(root=f"{tmp}/store", cache_dir=f"{tmp}/cache")
+        cfg.store = defaults("store", root=f"{tmp}/store", cache_dir=f"{tmp}/cache")
         store = open_store(cfg.store)
         ds = run_tokenize(cfg.data, cfg.tokenizer, cfg.model, store)
         world = cfg.cluster.nodes * cfg.cluster.procs_per_node

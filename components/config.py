@@ -1,13 +1,15 @@
 """The config schema: structured-config dataclasses that Hydra validates `conf/` against.
 
-Defaults live in `conf/*.yaml`; the values here only make the dataclasses constructible.
-Types are checked by OmegaConf when Hydra composes; `check_config` adds the rules that
-types cannot express and names the offending key.
+Every default lives in `conf/*.yaml`: each field here is `MISSING`, so a key that `conf/`
+does not set fails at compose time. Types are checked by OmegaConf when Hydra composes;
+each group's `check()` holds the rules that types cannot express (named by the key they
+judge), and `check_config` runs them all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -17,9 +19,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 GROUPS = ("data", "tokenizer", "model", "train", "preflight", "eval", "cluster", "store")
 
 
@@ -52,140 +55,225 @@ class StoreBackend(str, Enum):
 
 @dataclass
 class DataConfig:
-    name: str = "corpus"  # artifact name in the store
-    paths: list[str] = field(default_factory=list)  # local jsonl/txt/parquet files or dirs
-    hub_name: str | None = None  # a datasets hub name, used when paths is empty
-    hub_config: str | None = None
-    hub_split: str = "train"
-    text_field: str = "text"
-    min_chars: int = 1  # documents shorter than this (after strip) are dropped
-    max_doc_bytes: int = 67108864  # a longer line in a text source is refused before loading
-    dedup: bool = True  # drop exact duplicate documents
-    val_fraction: float = 0.05
-    split_seed: int = 0
-    seq_len: int = 128  # tokens per training sample; blocks hold seq_len + 1
-    num_proc: int = 1
+    name: str = MISSING  # artifact name in the store
+    paths: list[str] = MISSING  # local jsonl/txt/parquet files or dirs
+    hub_name: str | None = MISSING  # a datasets hub name, used when paths is empty
+    hub_config: str | None = MISSING
+    hub_split: str = MISSING
+    text_field: str = MISSING
+    min_chars: int = MISSING  # documents shorter than this (after strip) are dropped
+    max_doc_bytes: int = MISSING  # a longer line in a text source is refused before loading
+    dedup: bool = MISSING  # drop exact duplicate documents
+    val_fraction: float = MISSING
+    split_seed: int = MISSING
+    seq_len: int = MISSING  # tokens per training sample; blocks hold seq_len + 1
+    num_proc: int = MISSING
+
+    def check(self, model: ModelConfig | None = None) -> list[str]:
+        rules = [
+            ("data.paths", bool(self.paths) or bool(self.hub_name), "give data.paths or data.hub_name"),
+            ("data.seq_len", self.seq_len >= 2, f"must be >= 2, got {self.seq_len}"),
+            ("data.val_fraction", 0.0 < self.val_fraction < 1.0, f"must be in (0, 1), got {self.val_fraction}"),
+            ("data.num_proc", self.num_proc >= 1, f"must be >= 1, got {self.num_proc}"),
+            ("data.min_chars", self.min_chars >= 1, f"must be >= 1, got {self.min_chars}"),
+        ]
+        if model is not None:  # blocks longer than the model's positions cannot train
+            ok = self.seq_len <= model.max_seq_len
+            rules.append(("data.seq_len", ok, f"{self.seq_len} exceeds model.max_seq_len={model.max_seq_len}"))
+        return failed(rules)
 
 
 @dataclass
 class TokenizerConfig:
-    pretrained: str | None = None  # hub name or local path; None trains a byte-level BPE
-    vocab_size: int = 1024  # for the trained BPE
-    min_frequency: int = 2
+    pretrained: str | None = MISSING  # hub name or local path; None trains a byte-level BPE
+    vocab_size: int = MISSING  # for the trained BPE
+    min_frequency: int = MISSING
+
+    def check(self) -> list[str]:
+        ok = self.vocab_size >= 260
+        return failed(
+            [("tokenizer.vocab_size", ok, f"must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")]
+        )
 
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"
-    vocab_size: int | None = None  # None: the dataset tokenizer's vocab
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 4
-    ffn_hidden_size: int = 192
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = False
+    name: str = MISSING
+    vocab_size: int | None = MISSING  # None: the dataset tokenizer's vocab
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    num_kv_heads: int = MISSING
+    ffn_hidden_size: int = MISSING
+    max_seq_len: int = MISSING
+    rope_theta: float = MISSING
+    tie_embeddings: bool = MISSING
+
+    def check(self) -> list[str]:
+        heads, kv = self.num_heads, self.num_kv_heads
+        return failed([
+            ("model.vocab_size", self.vocab_size is None or self.vocab_size >= 1,
+             f"must be >= 1, got {self.vocab_size}"),
+            ("model.num_heads", heads >= 1, f"must be >= 1, got {heads}"),
+            ("model.hidden_size", heads < 1 or self.hidden_size % heads == 0,
+             f"{self.hidden_size} is not divisible by model.num_heads={heads}"),
+            ("model.num_kv_heads", kv >= 1 and heads % kv == 0,
+             f"{kv} must divide model.num_heads={heads} (each kv head serves a whole group of query heads)"),
+            ("model.head_dim", heads < 1 or (self.hidden_size // heads) % 2 == 0,
+             "hidden_size / num_heads must be even for rotary embeddings"),
+            ("model.num_layers", self.num_layers >= 1, f"must be >= 1, got {self.num_layers}"),
+            ("model.ffn_hidden_size", self.ffn_hidden_size >= 1, f"must be >= 1, got {self.ffn_hidden_size}"),
+        ])  # fmt: skip
 
 
 @dataclass
 class TrainConfig:
-    precision: Precision = Precision.fp32
-    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
-    activation_checkpointing: bool = False
-    ac_every_n_blocks: int = 1  # checkpoint every n-th transformer block
-    compile: bool | None = None  # torch.compile per block; None: on GPU, off on CPU
-    parallelism: Parallelism = Parallelism.ddp
-    micro_batch_size: int = 8
-    grad_accum_steps: int = 1
-    steps: int = 100
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    min_lr: float = 3e-4
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    checkpoint_interval: int = 50
-    checkpoint_keep: int = 2
-    checkpoint_async: bool = False
-    resume: str = "auto"  # auto | never | <checkpoint version>
-    run_dir: str = "runs"  # logs, metrics and exports, one subdirectory per training identity
-    checkpoint_dir: str | None = None  # None: <run_dir>/<identity>/checkpoints; shared storage in a cluster
-    loss_scaling: bool = False  # dynamic loss scaling (GradScaler); for fp16-range gradients
-    log_interval: int = 1
-    max_bad_steps: int = 3  # consecutive non-finite steps before rolling back
-    loss_spike_factor: float = 3.0
-    straggler_interval: int = 20
-    straggler_zscore: float = 5.0
-    watchdog_timeout_s: float = 600.0
-    peak_tflops: float | None = None  # device peak for MFU; None: preflight's measure
+    precision: Precision = MISSING
+    fp8_recipe: Fp8Recipe = MISSING
+    activation_checkpointing: bool = MISSING
+    ac_every_n_blocks: int = MISSING  # checkpoint every n-th transformer block
+    compile: bool | None = MISSING  # torch.compile per block; None: on GPU, off on CPU
+    parallelism: Parallelism = MISSING
+    micro_batch_size: int = MISSING
+    grad_accum_steps: int = MISSING
+    steps: int = MISSING
+    lr: float = MISSING
+    warmup_steps: int = MISSING
+    min_lr: float = MISSING
+    weight_decay: float = MISSING
+    beta1: float = MISSING
+    beta2: float = MISSING
+    grad_clip: float = MISSING
+    seed: int = MISSING
+    checkpoint_interval: int = MISSING
+    checkpoint_keep: int = MISSING
+    checkpoint_async: bool = MISSING
+    resume: str = MISSING  # auto | never | <checkpoint version>
+    run_dir: str = MISSING  # logs, metrics and exports, one subdirectory per training identity
+    checkpoint_dir: str | None = MISSING  # None: <run_dir>/<identity>/checkpoints; shared storage in a cluster
+    loss_scaling: bool = MISSING  # dynamic loss scaling (GradScaler); for fp16-range gradients
+    log_interval: int = MISSING
+    max_bad_steps: int = MISSING  # consecutive non-finite steps before rolling back
+    loss_spike_factor: float = MISSING
+    straggler_interval: int = MISSING
+    straggler_zscore: float = MISSING
+    watchdog_timeout_s: float = MISSING
+    peak_tflops: float | None = MISSING  # device peak for MFU; None: preflight's measure
+
+    def check(self) -> list[str]:
+        at_least_1 = ("steps", "micro_batch_size", "grad_accum_steps", "checkpoint_interval", "checkpoint_keep",
+                      "ac_every_n_blocks", "max_bad_steps")  # fmt: skip
+        return failed(
+            [(f"train.{k}", getattr(self, k) >= 1, f"must be >= 1, got {getattr(self, k)}") for k in at_least_1]
+            + [
+                ("train.warmup_steps", 0 <= self.warmup_steps < self.steps,
+                 f"{self.warmup_steps} must be >= 0 and < train.steps={self.steps}"),
+                ("train.lr", self.lr > 0, f"must be > 0, got {self.lr}"),
+                ("train.min_lr", 0 <= self.min_lr <= self.lr, f"{self.min_lr} must be in [0, train.lr={self.lr}]"),
+                ("train.grad_clip", self.grad_clip >= 0, f"must be >= 0 (0 disables), got {self.grad_clip}"),
+                ("train.watchdog_timeout_s", self.watchdog_timeout_s > 0,
+                 f"must be > 0, got {self.watchdog_timeout_s}"),
+                ("train.resume", bool(self.resume.strip()), "must be auto, never or a checkpoint version"),
+            ]
+        )  # fmt: skip
 
 
 @dataclass
 class PreflightConfig:
-    gemm_size: int = 1024
-    gemm_iters: int = 5
-    membw_mb: int = 64
-    allreduce_sizes_mb: list[float] = field(default_factory=lambda: [0.25, 1.0, 4.0])
-    storage_probe_mb: int = 4
-    zscore_threshold: float = 5.0
-    floors: dict[str, float] = field(default_factory=dict)  # metric -> absolute minimum
-    min_healthy_nodes: int = 1
-    memory_safety: float = 0.9
-    device_memory_gb: float | None = None  # None: measured (GPU) or host memory (CPU)
-    quarantine: bool = False
+    gemm_size: int = MISSING
+    gemm_iters: int = MISSING
+    membw_mb: int = MISSING
+    allreduce_sizes_mb: list[float] = MISSING
+    storage_probe_mb: int = MISSING
+    zscore_threshold: float = MISSING
+    floors: dict[str, float] = MISSING  # metric -> absolute minimum
+    min_healthy_nodes: int = MISSING
+    memory_safety: float = MISSING
+    device_memory_gb: float | None = MISSING  # None: measured (GPU) or host memory (CPU)
+    quarantine: bool = MISSING
+
+    def check(self, cluster: ClusterConfig | None = None) -> list[str]:
+        safety = self.memory_safety
+        rules = [("preflight.memory_safety", 0 < safety <= 1, f"must be in (0, 1], got {safety}")]
+        if cluster is not None:  # the gate needs at least this many of the nodes the job asks for
+            n, ok = self.min_healthy_nodes, 1 <= self.min_healthy_nodes <= cluster.nodes
+            rules.append(("preflight.min_healthy_nodes", ok, f"{n} must be in [1, cluster.nodes={cluster.nodes}]"))
+        return failed(rules)
 
 
 @dataclass
 class EvalConfig:
-    val_blocks: int = 64  # 0 = the whole val split
-    batch_size: int = 8
-    loss_tolerance: float = 0.05  # validate: |stored model loss - recorded probe loss| allowed
-    prompts: list[str] = field(default_factory=lambda: ["The "])
-    max_new_tokens: int = 32
-    lm_eval_tasks: list[str] = field(default_factory=list)
-    baseline: str | None = None  # a model version in the store to compare against
+    val_blocks: int = MISSING  # 0 = the whole val split
+    batch_size: int = MISSING
+    loss_tolerance: float = MISSING  # validate: |stored model loss - recorded probe loss| allowed
+    prompts: list[str] = MISSING
+    max_new_tokens: int = MISSING
+    lm_eval_tasks: list[str] = MISSING
+    baseline: str | None = MISSING  # a model version in the store to compare against
+
+    def check(self) -> list[str]:
+        return failed([
+            ("eval.batch_size", self.batch_size >= 1, f"must be >= 1, got {self.batch_size}"),
+            ("eval.val_blocks", self.val_blocks >= 0, f"must be >= 0, got {self.val_blocks}"),
+            ("eval.loss_tolerance", self.loss_tolerance > 0, f"must be > 0, got {self.loss_tolerance}"),
+        ])  # fmt: skip
 
 
 @dataclass
 class ClusterConfig:
-    scheduler: Scheduler = Scheduler.local_cwd
-    nodes: int = 1
-    procs_per_node: int = 1
-    image: str = "liftoff:latest"
-    queue: str = "default"
-    namespace: str = "kubeflow"
-    service_account: str | None = None
-    cpu: int = 2
-    gpu: int = 0
-    mem_mb: int = 4096
-    rdzv_port: int = 0  # 0: a free port per job
-    max_restarts: int = 0
-    node_selector: dict[str, str] = field(default_factory=dict)
+    scheduler: Scheduler = MISSING
+    nodes: int = MISSING
+    procs_per_node: int = MISSING
+    image: str = MISSING  # the stage image: every KFP task and every TorchX replica runs it
+    image_pull_policy: str = MISSING  # Always for a mutable tag, so driver and workers run one code
+    queue: str = MISSING
+    namespace: str = MISSING
+    service_account: str | None = MISSING
+    cpu: int = MISSING
+    gpu: int = MISSING
+    mem_mb: int = MISSING
+    rdzv_port: int = MISSING  # 0: a free port per job
+    max_restarts: int = MISSING
+    node_selector: dict[str, str] = MISSING
+
+    def check(self) -> list[str]:
+        return failed([
+            ("cluster.nodes", self.nodes >= 1, f"must be >= 1, got {self.nodes}"),
+            ("cluster.procs_per_node", self.procs_per_node >= 1, f"must be >= 1, got {self.procs_per_node}"),
+            ("cluster.rdzv_port", 0 <= self.rdzv_port <= 65535, f"must be a port or 0, got {self.rdzv_port}"),
+            ("cluster.max_restarts", self.max_restarts >= 0, f"must be >= 0, got {self.max_restarts}"),
+            ("cluster.image_pull_policy", self.image_pull_policy in PULL_POLICIES,
+             f"must be one of {', '.join(PULL_POLICIES)}, got {self.image_pull_policy!r}"),
+        ])  # fmt: skip
 
 
 @dataclass
 class StoreConfig:
-    backend: StoreBackend = StoreBackend.local
-    root: str = "artifacts"  # local backend: the directory; minio: a key prefix
-    bucket: str = "liftoff"
-    endpoint: str | None = None  # None: $MINIO_ENDPOINT
-    secure: bool | None = None  # None: $MINIO_SECURE
-    cache_dir: str = ".cache/liftoff"
-    timeout_s: float = 30.0  # total time retries may take before the store is declared unreachable
+    backend: StoreBackend = MISSING
+    root: str = MISSING  # local backend: the directory; minio: a key prefix
+    bucket: str = MISSING
+    endpoint: str | None = MISSING  # None: $MINIO_ENDPOINT
+    secure: bool | None = MISSING  # None: $MINIO_SECURE
+    cache_dir: str = MISSING
+    timeout_s: float = MISSING  # total time retries may take before the store is declared unreachable
+    secret_name: str = MISSING  # on a cluster: the Kubernetes Secret holding the MinIO keys
+
+    def check(self) -> list[str]:
+        return failed([("store.timeout_s", self.timeout_s > 0, f"must be > 0, got {self.timeout_s}")])
 
 
 @dataclass
 class KfpConfig:
     """Where `liftoff submit` / `upload` talk to; not a pipeline parameter."""
 
-    host: str | None = None  # None: $KF_PIPELINES_ENDPOINT
-    namespace: str | None = None  # multi-user Kubeflow profile namespace
-    experiment: str | None = None  # None: named after the sweep's overrides
-    service_account: str | None = None  # runs execute as this (TorchX needs to create Volcano jobs)
-    pipeline_name: str = "liftoff-pretrain"
+    host: str | None = MISSING  # None: $KF_PIPELINES_ENDPOINT
+    namespace: str | None = MISSING  # multi-user Kubeflow profile namespace
+    experiment: str | None = MISSING  # None: named after the sweep's overrides
+    service_account: str | None = MISSING  # runs execute as this (TorchX needs to create Volcano jobs)
+    pipeline_name: str = MISSING
+
+    def check(self) -> list[str]:
+        return failed([("kfp.pipeline_name", bool(self.pipeline_name.strip()), "must not be empty")])
 
 
 @dataclass
@@ -219,83 +307,28 @@ class ConfigError(ValueError):
     """A config value that is well-typed but cannot work; the message names the key."""
 
 
-# Rules that read a second group, besides the group of the key they name.
-CROSS_GROUP = {("data.seq_len", "model"), ("preflight.min_healthy_nodes", "cluster")}
+def failed(rules: list[tuple[str, bool, str]]) -> list[str]:
+    """`key: message` for each (key, holds, message) rule that does not hold."""
+    return [f"{key}: {message}" for key, holds, message in rules if not holds]
 
 
-def _needs(key: str) -> set[str]:
-    return {key.split(".")[0]} | {group for k, group in CROSS_GROUP if k == key}
-
-
-def _rules(cfg: Config) -> list[tuple[str, bool, str]]:
-    d, m, t, c, p, e, tok = cfg.data, cfg.model, cfg.train, cfg.cluster, cfg.preflight, cfg.eval, cfg.tokenizer
-    return [
-        ("data.paths", bool(d.paths) or bool(d.hub_name), "give data.paths or data.hub_name"),
-        ("data.seq_len", d.seq_len >= 2, f"must be >= 2, got {d.seq_len}"),
-        ("data.seq_len", d.seq_len <= m.max_seq_len, f"{d.seq_len} exceeds model.max_seq_len={m.max_seq_len}"),
-        ("data.val_fraction", 0.0 < d.val_fraction < 1.0, f"must be in (0, 1), got {d.val_fraction}"),
-        ("data.num_proc", d.num_proc >= 1, f"must be >= 1, got {d.num_proc}"),
-        ("data.min_chars", d.min_chars >= 1, f"must be >= 1, got {d.min_chars}"),
-        (
-            "tokenizer.vocab_size",
-            tok.vocab_size >= 260,
-            f"must be >= 260 (256 bytes + special tokens), got {tok.vocab_size}",
-        ),
-        ("model.vocab_size", m.vocab_size is None or m.vocab_size >= 1, f"must be >= 1, got {m.vocab_size}"),
-        (
-            "model.hidden_size",
-            m.num_heads >= 1 and m.hidden_size % m.num_heads == 0,
-            f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}",
-        ),
-        (
-            "model.num_kv_heads",
-            m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads == 0,
-            f"model.num_heads={m.num_heads} is not divisible by {m.num_kv_heads}",
-        ),
-        (
-            "model.head_dim",
-            m.num_heads >= 1 and (m.hidden_size // max(m.num_heads, 1)) % 2 == 0,
-            "hidden_size / num_heads must be even for rotary embeddings",
-        ),
-        ("model.num_layers", m.num_layers >= 1, f"must be >= 1, got {m.num_layers}"),
-        ("model.ffn_hidden_size", m.ffn_hidden_size >= 1, f"must be >= 1, got {m.ffn_hidden_size}"),
-        ("train.steps", t.steps >= 1, f"must be >= 1, got {t.steps}"),
-        (
-            "train.warmup_steps",
-            0 <= t.warmup_steps < t.steps,
-            f"{t.warmup_steps} must be >= 0 and < train.steps={t.steps}",
-        ),
-        ("train.lr", t.lr > 0, f"must be > 0, got {t.lr}"),
-        ("train.min_lr", 0 <= t.min_lr <= t.lr, f"{t.min_lr} must be in [0, train.lr={t.lr}]"),
-        ("train.micro_batch_size", t.micro_batch_size >= 1, f"must be >= 1, got {t.micro_batch_size}"),
-        ("train.grad_accum_steps", t.grad_accum_steps >= 1, f"must be >= 1, got {t.grad_accum_steps}"),
-        ("train.grad_clip", t.grad_clip >= 0, f"must be >= 0 (0 disables), got {t.grad_clip}"),
-        ("train.checkpoint_interval", t.checkpoint_interval >= 1, f"must be >= 1, got {t.checkpoint_interval}"),
-        ("train.checkpoint_keep", t.checkpoint_keep >= 1, f"must be >= 1, got {t.checkpoint_keep}"),
-        ("train.ac_every_n_blocks", t.ac_every_n_blocks >= 1, f"must be >= 1, got {t.ac_every_n_blocks}"),
-        ("train.max_bad_steps", t.max_bad_steps >= 1, f"must be >= 1, got {t.max_bad_steps}"),
-        ("train.watchdog_timeout_s", t.watchdog_timeout_s > 0, f"must be > 0, got {t.watchdog_timeout_s}"),
-        ("train.resume", bool(t.resume.strip()), "must be auto, never or a checkpoint version"),
-        ("cluster.nodes", c.nodes >= 1, f"must be >= 1, got {c.nodes}"),
-        ("cluster.procs_per_node", c.procs_per_node >= 1, f"must be >= 1, got {c.procs_per_node}"),
-        ("cluster.rdzv_port", 0 <= c.rdzv_port <= 65535, f"must be a port or 0, got {c.rdzv_port}"),
-        ("cluster.max_restarts", c.max_restarts >= 0, f"must be >= 0, got {c.max_restarts}"),
-        (
-            "preflight.min_healthy_nodes",
-            1 <= p.min_healthy_nodes <= c.nodes,
-            f"{p.min_healthy_nodes} must be in [1, cluster.nodes={c.nodes}]",
-        ),
-        ("preflight.memory_safety", 0 < p.memory_safety <= 1, f"must be in (0, 1], got {p.memory_safety}"),
-        ("eval.batch_size", e.batch_size >= 1, f"must be >= 1, got {e.batch_size}"),
-        ("eval.val_blocks", e.val_blocks >= 0, f"must be >= 0, got {e.val_blocks}"),
-        ("store.timeout_s", cfg.store.timeout_s > 0, f"must be > 0, got {cfg.store.timeout_s}"),
-    ]
+def problems(groups: dict[str, Any]) -> list[str]:
+    """Every group's own rules, plus the rules that read a second group when both are here."""
+    found = []
+    for name, group in groups.items():
+        if name == "data":
+            found += group.check(model=groups.get("model"))
+        elif name == "preflight":
+            found += group.check(cluster=groups.get("cluster"))
+        else:
+            found += group.check()
+    return found
 
 
 def check_config(cfg: DictConfig | Config) -> None:
     """Raise ConfigError naming every key whose value is typed right but cannot work."""
     obj = OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg
-    bad = [f"{key}: {msg}" for key, ok, msg in _rules(obj) if not ok]
+    bad = problems({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
     if bad:
         raise ConfigError("invalid config:\n  " + "\n  ".join(bad))
 
@@ -313,8 +346,7 @@ def checked_groups(**values: dict[str, Any]) -> dict[str, Any]:
         except OmegaConfBaseException as e:
             detail = str(e.msg).splitlines()[0]
             raise ConfigError(f"invalid config: {name}.{getattr(e, 'full_key', '') or '?'}: {detail}") from None
-    cfg = Config(**typed)
-    bad = [f"{key}: {msg}" for key, ok, msg in _rules(cfg) if not ok and _needs(key) <= typed.keys()]
+    bad = problems(typed)
     if bad:
         raise ConfigError("invalid config: " + "; ".join(bad))
     return typed
@@ -337,8 +369,26 @@ T = TypeVar("T")
 
 
 def group_from_dict(schema: type[T], values: dict[str, Any]) -> T:
-    """Rebuild one typed group from the plain dict a KFP component receives."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), _ints_back(schema, values)))
+    """Rebuild one typed group from the plain dict a KFP component receives. KFP parameters
+    cannot hold None, so `group_dicts` leaves unset optional keys out: they come back as None."""
+    hints = typing.get_type_hints(schema)
+    unset = {
+        f.name: None
+        for f in dataclasses.fields(schema)
+        if f.name not in values and type(None) in typing.get_args(hints[f.name])
+    }
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), {**unset, **_ints_back(schema, values)}))
+
+
+@functools.cache
+def _conf_defaults() -> Config:
+    return OmegaConf.to_object(compose(["~experiment"]))
+
+
+def defaults(group: str, **values: Any) -> Any:
+    """One group as `conf/` sets it by default (no experiment preset), with `values` replaced:
+    for code and tests that need a typed group outside a composed run."""
+    return dataclasses.replace(getattr(_conf_defaults(), group), **values)
 
 
 def _ints_back(schema: type, values: dict[str, Any]) -> dict[str, Any]:
@@ -362,7 +412,7 @@ def group_dicts(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     """The composed config as one plain dict per group: the pipeline's parameters.
 
     KFP parameters cannot hold None, so unset optional keys are left out;
-    `group_from_dict` restores them from the schema, where every Optional defaults to None.
+    `group_from_dict` restores them as None.
     """
     return {g: drop_none(OmegaConf.to_container(cfg[g], resolve=True, enum_to_str=True)) for g in GROUPS}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from components.config import StoreBackend, StoreConfig, compose
+from components.config import StoreBackend, StoreConfig, compose, defaults
 from components.store import open_store
 from components.tokenize.stage import run_tokenize
 
@@ -49,10 +49,11 @@ def s3_env(s3_endpoint, monkeypatch) -> str:
 
 def store_config(backend: str, tmp_path: Path, **kw) -> StoreConfig:
     if backend == "local":
-        return StoreConfig(
-            backend=StoreBackend.local, root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache"), **kw
+        return defaults(
+            "store", backend=StoreBackend.local, root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache"), **kw
         )
-    return StoreConfig(
+    return defaults(
+        "store",
         backend=StoreBackend.minio,
         bucket=f"t-{uuid.uuid4().hex[:12]}",
         root="",
@@ -83,7 +84,7 @@ def dataset_store(tmp_path_factory) -> Path:
         cfg.data,
         cfg.tokenizer,
         cfg.model,
-        open_store(StoreConfig(root=str(root / "store"), cache_dir=str(root / "cache"))),
+        open_store(defaults("store", root=str(root / "store"), cache_dir=str(root / "cache"))),
     )
     return root
 
@@ -92,7 +93,7 @@ class Trainer:
     def __init__(self, dataset_store: Path, tmp: Path):
         self.tmp, self.dataset_store = tmp, dataset_store
         shutil.copytree(dataset_store / "store", tmp / "store")
-        self.store_cfg = StoreConfig(root=str(tmp / "store"), cache_dir=str(tmp / "cache"))
+        self.store_cfg = defaults("store", root=str(tmp / "store"), cache_dir=str(tmp / "cache"))
         self.store = open_store(self.store_cfg)
         self.dataset = str(next(iter(self.store.ls("dataset"))).ref)
 

@@ -128,3 +128,65 @@ def test_groups_survive_kfp_struct_floats():
     assert isinstance(train.checkpoint_interval, int) and isinstance(train.micro_batch_size, int)
     model = group_from_dict(GROUP_SCHEMAS["model"], floated["model"])
     assert model.vocab_size == 32000 and isinstance(model.vocab_size, int)
+
+
+def test_every_default_lives_in_conf():
+    """No schema dataclass carries a value of its own: each field is MISSING, and composing
+    `conf/` fills every one of them (a key that conf/ forgot fails at compose time)."""
+    import dataclasses
+
+    from omegaconf import MISSING, OmegaConf
+
+    from components.config import Config, KfpConfig
+
+    schemas = [*GROUP_SCHEMAS.values(), KfpConfig]
+    own = [
+        f"{schema.__name__}.{f.name}"
+        for schema in schemas
+        for f in dataclasses.fields(schema)
+        if f.default is not MISSING or f.default_factory is not dataclasses.MISSING
+    ]
+    assert not own, f"defaults outside conf/: {own}"
+    cfg = compose()
+    assert not OmegaConf.missing_keys(cfg)
+    typed = OmegaConf.to_object(cfg)
+    assert isinstance(typed, Config)
+    for group in [*GROUPS, "kfp"]:
+        for f in dataclasses.fields(getattr(typed, group)):
+            assert getattr(getattr(typed, group), f.name) != MISSING, f"{group}.{f.name}"
+
+
+def test_a_key_missing_from_conf_fails_at_compose(tmp_path):
+    """Delete one key from a copy of conf/: composing fails naming it (no silent default)."""
+    import shutil
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
+    from components.config import CONF_DIR
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    train_yaml = conf / "train" / "default.yaml"
+    train_yaml.write_text("".join(ln for ln in train_yaml.open() if not ln.startswith("grad_clip:")))
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = hydra_compose(config_name="config")
+    with pytest.raises(MissingMandatoryValue, match="grad_clip"):
+        OmegaConf.to_object(cfg)
+
+
+def test_each_group_judges_its_own_keys():
+    """The rules live with their group: a group checks alone, and the cross-group rules run
+    only when the other group is given."""
+    from components.config import defaults
+
+    assert defaults("train", warmup_steps=5, steps=3).check() == [
+        "train.warmup_steps: 5 must be >= 0 and < train.steps=3"
+    ]
+    data = defaults("data", seq_len=4096)
+    assert data.check() == []
+    assert data.check(model=defaults("model")) == ["data.seq_len: 4096 exceeds model.max_seq_len=128"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from components.config import StoreBackend, StoreConfig
+from components.config import StoreBackend, defaults
 from components.store import (
     MANIFEST,
     IntegrityError,
@@ -144,8 +144,13 @@ def test_unreachable_endpoint_fails_in_bounded_time_naming_it(monkeypatch, tmp_p
     port = free_port()  # nothing listens here
     monkeypatch.setenv("MINIO_ACCESS_KEY", "a")
     monkeypatch.setenv("MINIO_SECRET_KEY", "b")
-    cfg = StoreConfig(
-        backend=StoreBackend.minio, endpoint=f"127.0.0.1:{port}", secure=False, timeout_s=2.0, cache_dir=str(tmp_path)
+    cfg = defaults(
+        "store",
+        backend=StoreBackend.minio,
+        endpoint=f"127.0.0.1:{port}",
+        secure=False,
+        timeout_s=2.0,
+        cache_dir=str(tmp_path),
     )
     start = time.monotonic()
     with pytest.raises(StoreUnreachable, match=f"127.0.0.1:{port}"):
@@ -154,7 +159,7 @@ def test_unreachable_endpoint_fails_in_bounded_time_naming_it(monkeypatch, tmp_p
 
 
 def test_local_store_never_writes_outside_its_root(tmp_path):
-    store = open_store(StoreConfig(root=str(tmp_path / "root"), cache_dir=str(tmp_path / "c")))
+    store = open_store(defaults("store", root=str(tmp_path / "root"), cache_dir=str(tmp_path / "c")))
     with pytest.raises(InvalidKey):
         store.backend.put_bytes("../escape", b"x")
     assert not (tmp_path / "escape").exists()
@@ -172,7 +177,7 @@ def test_manifest_records_lineage_code_and_hashes(store, tmp_path):
 def test_cli_artifacts_ls_and_show_trace_lineage(tmp_path, capsys):
     from pipelines.cli import main
 
-    cfg = StoreConfig(root=str(tmp_path / "store"), cache_dir=str(tmp_path / "c"))
+    cfg = defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "c"))
     store = open_store(cfg)
     store.publish("dataset", "d", "h1", make_tree(tmp_path / "d", "d"))
     store.publish("model", "m", "r1", make_tree(tmp_path / "m", "m"), parents=["dataset/d@h1"])

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from components import checkpoint_format as ckpt
-from components.config import StoreBackend, StoreConfig
+from components.config import StoreBackend, defaults
 from components.launcher import LaunchError
 from components.store import Ref, StoreUnreachable, open_store
 from tests.chaos.conftest import TcpProxy, kill_tree
@@ -32,7 +32,7 @@ from components.store import open_store
 from components.train.stage import run_train
 store_root, run_dir, dataset, *overrides = sys.argv[1:]
 cfg = OmegaConf.to_object(compose([f"train.run_dir={run_dir}", *overrides]))
-store_cfg = StoreConfig(root=store_root, cache_dir=store_root + "-cache")
+store_cfg = defaults("store", root=store_root, cache_dir=store_root + "-cache")
 result = run_train(dataset, cfg.model, cfg.train, cfg.cluster, store_cfg, open_store(store_cfg))
 print("RESULT", result.result["export_dir"])
 """
@@ -101,7 +101,8 @@ def test_s3_outage_during_publish_then_recovery(s3_endpoint, s3_env, tmp_path, c
     proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
     proxy.start()
     bucket = f"outage-{uuid.uuid4().hex[:8]}"
-    cfg = StoreConfig(
+    cfg = defaults(
+        "store",
         backend=StoreBackend.minio,
         endpoint=f"127.0.0.1:{proxy.port}",
         bucket=bucket,
@@ -126,7 +127,8 @@ def test_s3_outage_during_publish_then_recovery(s3_endpoint, s3_env, tmp_path, c
     assert waited < 15
     backend.put_file = real_put
     direct = open_store(
-        StoreConfig(
+        defaults(
+            "store",
             backend=StoreBackend.minio,
             endpoint=s3_endpoint,
             bucket=bucket,

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from components.config import StoreConfig, compose
+from components.config import compose, defaults
 from components.plots import read_records
 from components.store import InvalidKey, open_store
 from components.tokenize.documents import DataError
@@ -63,7 +63,7 @@ PART = st.text(alphabet=st.characters(codec="utf-8"), min_size=0, max_size=12)
 @given(kind=PART, name=PART, version=PART, rel=st.lists(PART, min_size=1, max_size=3).map("/".join))
 def test_any_store_key_is_refused_or_stays_inside_the_root(tmp_path_factory, kind, name, version, rel):
     base = tmp_path_factory.mktemp("keys")
-    store = open_store(StoreConfig(root=str(base / "root"), cache_dir=str(base / "root" / ".cache")))
+    store = open_store(defaults("store", root=str(base / "root"), cache_dir=str(base / "root" / ".cache")))
     src = base / "src"
     src.mkdir()
     (src / "f.txt").write_text("x")
@@ -95,7 +95,7 @@ def resume_from_rewritten_manifest(base: Path, rel: str | None, step) -> None:
     from components.store import IntegrityError, Ref, StoreError
     from components.train.resume import _from_store
 
-    store = open_store(StoreConfig(root=str(base / "root"), cache_dir=str(base / "cache")))
+    store = open_store(defaults("store", root=str(base / "root"), cache_dir=str(base / "cache")))
     src = base / "src"
     src.mkdir()
     (src / "checkpoint.json").write_text('{"files": {}, "meta": {}}')
@@ -128,7 +128,7 @@ def test_hostile_checkpoint_steps_in_a_manifest_are_refused(tmp_path_factory, st
 
 def tokenize(tmp_path: Path, src: Path, *overrides: str):
     cfg = OmegaConf.to_object(compose([f"data.paths=[{src}]", "data.seq_len=8", *overrides]))
-    store = open_store(StoreConfig(root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache")))
+    store = open_store(defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache")))
     return run_tokenize(cfg.data, cfg.tokenizer, cfg.model, store), store
 
 
@@ -247,7 +247,6 @@ def test_code_in_stored_checkpoint_metadata_never_runs(dataset_store, tmp_path, 
     import sys
 
     from components.checkpoint_format import ALLOWED_GLOBALS
-    from components.config import EvalConfig
     from components.launcher import LaunchError
     from components.store import Ref
     from components.validate.checks import ValidationFailed
@@ -274,7 +273,7 @@ def test_code_in_stored_checkpoint_metadata_never_runs(dataset_store, tmp_path, 
     for module, name in variants:
         tamper(Path(trainer.store_cfg.root), ckpt, ".metadata", stack_global_payload(module, name, f"touch {marker}"))
         with pytest.raises(ValidationFailed, match=r"\.metadata.*refus"):
-            run_validate(str(trained.model.ref), EvalConfig(loss_tolerance=10.0), trainer.store)
+            run_validate(str(trained.model.ref), defaults("eval", loss_tolerance=10.0), trainer.store)
         shutil.rmtree(trainer.store_cfg.cache_dir, ignore_errors=True)
     assert not marker.exists()
 

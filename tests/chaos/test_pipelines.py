@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from components.config import StoreBackend, StoreConfig
+from components.config import StoreBackend, defaults
 from components.store import Ref, open_store
 from pipelines.cli import main
 from tests.conftest import S3_ACCESS_KEY, S3_SECRET_KEY
@@ -33,7 +33,7 @@ def test_sentinel_credentials_appear_nowhere(s3_endpoint, s3_env, tmp_path, monk
         if path.is_file():
             texts[str(path)] = path.read_bytes().decode("utf-8", "replace")
             scanned += 1
-    store = open_store(StoreConfig(backend=StoreBackend.minio, bucket=bucket, cache_dir=str(tmp_path / "scan")))
+    store = open_store(defaults("store", backend=StoreBackend.minio, bucket=bucket, cache_dir=str(tmp_path / "scan")))
     for obj in store.backend.client.list_objects(bucket, recursive=True):
         resp = store.backend.client.get_object(bucket, obj.object_name)
         texts[f"s3://{bucket}/{obj.object_name}"] = resp.read().decode("utf-8", "replace")
@@ -67,7 +67,7 @@ def test_two_pipelines_at_once_against_one_store(tmp_path, chaos):
         procs.append(subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=900)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outputs]
-    store = open_store(StoreConfig(root=str(store_root), cache_dir=str(tmp_path / "c")))
+    store = open_store(defaults("store", root=str(store_root), cache_dir=str(tmp_path / "c")))
     models = store.versions("model", "tiny")
     datasets = store.versions("dataset", "kjv")
     assert len(models) == 2 and len(datasets) == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from components.config import StoreBackend, StoreConfig
+from components.config import StoreBackend, defaults
 from components.store import open_store
 
 
@@ -21,7 +21,8 @@ def run_load(endpoint: str, tmp: Path, writers: int, readers: int, seconds: floa
 
     def store(i: int):
         return open_store(
-            StoreConfig(
+            defaults(
+                "store",
                 backend=StoreBackend.minio,
                 endpoint=endpoint,
                 bucket=bucket,

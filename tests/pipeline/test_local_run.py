@@ -57,10 +57,10 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     assert re.search(r"^    dataset/kjv@\w+", shown, re.M)
     assert re.search(r"^  model/tiny@[\w-]+ .* code [0-9a-f]{40}", shown, re.M)  # the commit that trained it
     # the default experiment is the headline path: 2 nodes, fp8 Float8Linears, activation checkpointing
-    from components.config import StoreConfig
+    from components.config import defaults
     from components.store import Ref, open_store
 
-    store = open_store(StoreConfig(root=str(in_tmp / "artifacts"), cache_dir=str(in_tmp / ".cache")))
+    store = open_store(defaults("store", root=str(in_tmp / "artifacts"), cache_dir=str(in_tmp / ".cache")))
     trained = store.manifest(Ref.parse(model_ref)).metadata
     assert trained["world"] == 2 and trained["float8_linear_count"] == 14
     assert trained["wrapped_modules"]["activation_checkpoint"] == 2

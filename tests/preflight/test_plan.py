@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from components.config import ModelConfig, TrainConfig, compose
+from components.config import compose, defaults
 from components.preflight.plan import adam_mixed_precision_bytes, fits, plan, sharded, weights_bytes
 from components.train.model import build_model
 from components.train.optim import build_optimizer
@@ -32,8 +32,8 @@ def tensor_bytes(tensors) -> int:
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_tiny_plan_equals_real_tensor_bytes_after_one_step(tie):
-    model_cfg = ModelConfig(vocab_size=1024, tie_embeddings=tie)
-    train_cfg = TrainConfig()
+    model_cfg = defaults("model", vocab_size=1024, tie_embeddings=tie)
+    train_cfg = defaults("train")
     model = build_model(model_cfg, 1024, seed=0)
     opt = build_optimizer(model, train_cfg)
     ids = torch.randint(0, 1024, (2, 17))
@@ -51,7 +51,8 @@ def test_tiny_plan_equals_real_tensor_bytes_after_one_step(tie):
 
 
 def test_fsdp_shards_and_ddp_replicates():
-    model = ModelConfig(
+    model = defaults(
+        "model",
         vocab_size=32000,
         hidden_size=4096,
         num_layers=32,
@@ -60,8 +61,8 @@ def test_fsdp_shards_and_ddp_replicates():
         ffn_hidden_size=11008,
         max_seq_len=4096,
     )
-    ddp = plan(model, TrainConfig(parallelism="ddp"), world=8, seq_len=2048)
-    fsdp = plan(model, TrainConfig(parallelism="fsdp"), world=8, seq_len=2048)
+    ddp = plan(model, defaults("train", parallelism="ddp"), world=8, seq_len=2048)
+    fsdp = plan(model, defaults("train", parallelism="fsdp"), world=8, seq_len=2048)
     assert fsdp.optimizer_gb == pytest.approx(ddp.optimizer_gb / 8)
     assert fsdp.weights_gb == pytest.approx(ddp.weights_gb / 8)
 
@@ -73,18 +74,20 @@ def test_planned_activations_match_what_autograd_saves(precision, ac):
     in a real forward (saved_tensors_hooks), at another shape than the coefficients came from."""
     from benchmarks.planner_accuracy import measured_bytes, planned_bytes
 
-    model = ModelConfig(vocab_size=2048, hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=6, ffn_hidden_size=320)
-    train = TrainConfig(precision=precision, activation_checkpointing=ac, micro_batch_size=4)
+    model = defaults(
+        "model", vocab_size=2048, hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=6, ffn_hidden_size=320
+    )
+    train = defaults("train", precision=precision, activation_checkpointing=ac, micro_batch_size=4)
     ratio = measured_bytes(model, train, seq_len=48) / planned_bytes(model, train, seq_len=48)
     assert 0.9 <= ratio <= 1.1, ratio
-    full = plan(model, TrainConfig(precision=precision, activation_checkpointing=False), 1, 48)
-    checkpointed = plan(model, TrainConfig(precision=precision, activation_checkpointing=True), 1, 48)
+    full = plan(model, defaults("train", precision=precision, activation_checkpointing=False), 1, 48)
+    checkpointed = plan(model, defaults("train", precision=precision, activation_checkpointing=True), 1, 48)
     assert checkpointed.activations_gb < full.activations_gb
 
 
 def test_step_time_from_measured_throughput():
-    model = ModelConfig(vocab_size=1024)
-    p = plan(model, TrainConfig(micro_batch_size=8), world=2, seq_len=64, tflops=1.0, busbw_gbps=10.0)
+    model = defaults("model", vocab_size=1024)
+    p = plan(model, defaults("train", micro_batch_size=8), world=2, seq_len=64, tflops=1.0, busbw_gbps=10.0)
     tokens_per_device = 8 * 64
     assert p.compute_s == pytest.approx(p.flops_per_token * tokens_per_device / 1e12)
     assert p.comm_s == pytest.approx(4 * p.params * 2 * (2 - 1) / 2 / 10e9)

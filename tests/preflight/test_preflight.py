@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.config import PreflightConfig
+from components.config import defaults
 from components.preflight.stage import PreflightFailed, gate, report_markdown, run_preflight
 from components.preflight.verdict import judge
 from tests.conftest import Trainer
@@ -78,13 +78,13 @@ def node(rank, **kw):
 
 
 def test_mixed_versions_name_the_odd_node():
-    verdicts = judge([node(0), node(1), node(2, torch="2.12.0")], PreflightConfig())
+    verdicts = judge([node(0), node(1), node(2, torch="2.12.0")], defaults("preflight"))
     assert [v.healthy for v in verdicts] == [True, True, False]
     assert "torch=2.12.0 differs from the fleet" in verdicts[2].reasons[0]
 
 
 def test_floors_apply_to_every_node():
-    verdicts = judge([node(0), node(1)], PreflightConfig(floors={"membw_gbps": 4000.0}))
+    verdicts = judge([node(0), node(1)], defaults("preflight", floors={"membw_gbps": 4000.0}))
     assert not any(v.healthy for v in verdicts) and "below the floor 4000" in verdicts[0].reasons[0]
 
 

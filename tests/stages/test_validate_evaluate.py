@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from components.config import EvalConfig
+from components.config import defaults
 from components.evaluate.stage import EvalInputError, run_evaluate
 from components.hf import ModelLoadError, load_hf_model
 from components.store import ArtifactStore, Ref
@@ -28,16 +28,15 @@ def trained(dataset_store, tmp_path_factory):
 
 def copy_store(trainer: Trainer, tmp_path: Path) -> ArtifactStore:
     """A private copy of the store, so a test may damage it."""
-    from components.config import StoreConfig
     from components.store import open_store
 
     shutil.copytree(trainer.store_cfg.root, tmp_path / "store")
-    return open_store(StoreConfig(root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache")))
+    return open_store(defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache")))
 
 
 def test_good_model_passes_every_check(trained):
     trainer, ref = trained
-    verdict = run_validate(ref, EvalConfig(), trainer.store)
+    verdict = run_validate(ref, defaults("eval"), trainer.store)
     assert set(verdict.checks) == {
         "model_hashes",
         "checkpoint_hashes",
@@ -63,7 +62,7 @@ def test_a_model_that_is_not_what_training_measured_fails_the_loss_check(trained
     manifest["metadata"]["probe_loss"] += 0.2
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ValidationFailed, match=r"loss check: .* first 8 val blocks .* eval.loss_tolerance=0.05"):
-        run_validate(ref, EvalConfig(), store)
+        run_validate(ref, defaults("eval"), store)
 
 
 def test_flipped_byte_in_safetensors_fails_naming_the_file(trained, tmp_path):
@@ -75,7 +74,7 @@ def test_flipped_byte_in_safetensors_fails_naming_the_file(trained, tmp_path):
     data[len(data) // 2] ^= 0x01
     weights.write_bytes(bytes(data))
     with pytest.raises(Exception, match="model.safetensors"):
-        run_validate(ref, EvalConfig(), store)
+        run_validate(ref, defaults("eval"), store)
 
 
 def test_flipped_byte_in_the_local_copy_is_caught_too(trained, tmp_path):
@@ -87,7 +86,7 @@ def test_flipped_byte_in_the_local_copy_is_caught_too(trained, tmp_path):
     data[-10] ^= 0xFF
     weights.write_bytes(bytes(data))
     with pytest.raises(ValidationFailed, match="model.safetensors: sha256 does not match"):
-        run_validate(ref, EvalConfig(), store)
+        run_validate(ref, defaults("eval"), store)
 
 
 def test_nan_weights_fail_the_forward_check(trained, tmp_path):
@@ -102,7 +101,7 @@ def test_nan_weights_fail_the_forward_check(trained, tmp_path):
     manifest = store.manifest(Ref.parse(ref))
     store.publish("model", "tiny", "nan-weights", bad, parents=manifest.parents)
     with pytest.raises(ValidationFailed, match="checkpoint .* and model .* weights differ|non-finite logits"):
-        run_validate("model/tiny@nan-weights", EvalConfig(), store)
+        run_validate("model/tiny@nan-weights", defaults("eval"), store)
 
 
 def test_model_dir_without_config_is_a_clear_error(tmp_path):
@@ -129,7 +128,9 @@ class _Collect(HTMLParser):
 
 def test_evaluate_beats_unigram_and_reports(trained):
     trainer, ref = trained
-    result = run_evaluate(ref, EvalConfig(val_blocks=32, prompts=["In the beginning"], max_new_tokens=8), trainer.store)
+    result = run_evaluate(
+        ref, defaults("eval", val_blocks=32, prompts=["In the beginning"], max_new_tokens=8), trainer.store
+    )
     m = result.metrics
     assert m["val_perplexity"] < m["unigram_perplexity"], m
     assert 0 < m["val_bits_per_byte"] < 8 and m["inference_tokens_per_s"] > 0
@@ -148,8 +149,8 @@ def test_evaluate_with_baseline_reports_deltas(trained):
     """Against another model (fewer steps, another seed), evaluated on its own as the reference."""
     trainer, ref = trained
     weaker = str(trainer.run("train.steps=8", "train.warmup_steps=2", "train.seed=1").model.ref)
-    alone = run_evaluate(weaker, EvalConfig(val_blocks=8, prompts=[]), trainer.store)
-    result = run_evaluate(ref, EvalConfig(val_blocks=8, prompts=[], baseline=weaker), trainer.store)
+    alone = run_evaluate(weaker, defaults("eval", val_blocks=8, prompts=[]), trainer.store)
+    result = run_evaluate(ref, defaults("eval", val_blocks=8, prompts=[], baseline=weaker), trainer.store)
     assert result.metrics["baseline_val_loss"] == pytest.approx(alone.metrics["val_loss"])
     assert result.metrics["val_loss"] < result.metrics["baseline_val_loss"]  # 60 steps beat 8
     assert "delta vs baseline" in result.html
@@ -158,7 +159,7 @@ def test_evaluate_with_baseline_reports_deltas(trained):
 def test_unknown_lm_eval_task_is_a_clear_error(trained):
     trainer, ref = trained
     with pytest.raises(EvalInputError, match=r"unknown lm-eval task\(s\) \['no_such_task_xyz'\]"):
-        run_evaluate(ref, EvalConfig(lm_eval_tasks=["no_such_task_xyz"]), trainer.store)
+        run_evaluate(ref, defaults("eval", lm_eval_tasks=["no_such_task_xyz"]), trainer.store)
 
 
 def test_zero_val_blocks_is_a_clear_error(trained, tmp_path):
@@ -179,4 +180,4 @@ def test_zero_val_blocks_is_a_clear_error(trained, tmp_path):
     w.close()
     datasets.Dataset.from_file(str(tmp_path / "empty.arrow")).save_to_disk(str(data_dir / "val"))
     with pytest.raises(EvalInputError, match="val split has zero blocks"):
-        measure(store.fetch(model), data_dir, EvalConfig())
+        measure(store.fetch(model), data_dir, defaults("eval"))

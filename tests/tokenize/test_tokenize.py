@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from components.blocks import BlockWriter, load_tokenizer, open_token_blocks
-from components.config import StoreConfig, compose
+from components.config import compose, defaults
 from components.store import open_store
 from components.tokenize import stage
 from components.tokenize.documents import DataError
@@ -21,7 +21,7 @@ from tests.conftest import CORPUS
 
 def cfg_for(tmp: Path, *overrides: str):
     cfg = OmegaConf.to_object(compose([f"data.paths=[{CORPUS}]", *overrides]))
-    cfg.store = StoreConfig(root=str(tmp / "store"), cache_dir=str(tmp / "cache"))
+    cfg.store = defaults("store", root=str(tmp / "store"), cache_dir=str(tmp / "cache"))
     return cfg
 
 

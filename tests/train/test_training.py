@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from components import checkpoint_format as ckpt
+from components.config import defaults
 from components.launcher import LaunchError
 from components.plots import read_records
 from components.precision import PrecisionError
@@ -233,7 +234,6 @@ def test_longer_run_resumes_where_the_shorter_ended_on_another_world_size(traine
 def test_rerun_with_other_weights_publishes_a_new_model_version(trainer):
     """resume=never with the same identity but different weights (a code change, here a NaN
     step the second run skips) is a new model version; validate judges the new one."""
-    from components.config import EvalConfig
     from components.validate.stage import run_validate
 
     common = ["train.steps=10", "train.checkpoint_interval=5", "train.resume=never"]
@@ -242,13 +242,13 @@ def test_rerun_with_other_weights_publishes_a_new_model_version(trainer):
         second = trainer.run(*common)
     assert second.identity == first.identity and second.model.ref != first.model.ref
     assert {m.ref for m in trainer.store.versions("model", "tiny")} == {first.model.ref, second.model.ref}
-    verdict = run_validate(str(second.model.ref), EvalConfig(), trainer.store)
+    verdict = run_validate(str(second.model.ref), defaults("eval"), trainer.store)
     assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0  # its own checkpoint, not the first run's
     assert verdict.numbers["recorded_loss"] == second.result["probe_loss"] != first.result["probe_loss"]
     assert second.checkpoint_version != first.checkpoint_version
     from components.evaluate.stage import run_evaluate
 
-    evaluation = run_evaluate(str(second.model.ref), EvalConfig(val_blocks=8, prompts=[]), trainer.store)
+    evaluation = run_evaluate(str(second.model.ref), defaults("eval", val_blocks=8, prompts=[]), trainer.store)
     assert str(second.model.ref) in evaluation.manifest.parents
 
 
@@ -299,15 +299,13 @@ def test_fsdp_trains_the_same_weights_as_ddp(trainer):
     a, b = final_weights(ddp), final_weights(fsdp)
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
-    from components.config import ModelConfig
     from components.train.model import build_model
 
-    init = build_model(ModelConfig(), 1024, seed=0).state_dict()
+    init = build_model(defaults("model"), 1024, seed=0).state_dict()
     assert max(float((a[k] - init[k]).abs().max()) for k in a) > 1e-3  # it did train
 
 
 def test_fsdp_bf16_async_checkpoints_on_two_nodes(trainer):
-    from components.config import EvalConfig
     from components.validate.stage import run_validate
 
     r = trainer.run(
@@ -324,5 +322,5 @@ def test_fsdp_bf16_async_checkpoints_on_two_nodes(trainer):
     kept = ckpt.local_checkpoints(r.run_dir / "checkpoints")
     assert [c.name for c in kept] == ["step-30", "step-20"] and all(ckpt.verify(c) for c in kept)
     # the FSDP-sharded checkpoint and the gathered HF export hold the same weights
-    verdict = run_validate(str(r.model.ref), EvalConfig(loss_tolerance=1.0), trainer.store)
+    verdict = run_validate(str(r.model.ref), defaults("eval", loss_tolerance=1.0), trainer.store)
     assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import ModelConfig, TrainConfig
+from components.config import defaults
 from components.robust import leave_one_out_z
 from components.train.data import BlockSampler, DataFitError
 from components.train.model import flops_per_token
@@ -18,7 +18,7 @@ from components.train.optim import clip_and_step, lr_at
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
-    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, steps=110)
+    cfg = defaults("train", lr=1.0, min_lr=0.1, warmup_steps=10, steps=110)
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(10, cfg) == pytest.approx(1.0)
     assert lr_at(60, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
@@ -94,7 +94,9 @@ def test_flops_per_token_matches_torch_flop_counter():
 
     from components.train.model import build_model, count_params
 
-    cfg = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=192)
+    cfg = defaults(
+        "model", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=192
+    )
     model = build_model(cfg, 512, seed=0)
     ids = torch.randint(0, 512, (2, 129))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
