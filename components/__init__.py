@@ -1,7 +1,5 @@
-"""liftoff's pipeline stages and the pieces they share (config schema, artifact store)."""
+"""liftoff's pipeline stages and the shared floor they stand on (config schema, store, ...)."""
 
-import os
-
-# The stage image every KFP component runs in: it has kfp, torch and this package, so
-# nothing is pip-installed at run time. `make images` builds it; override to use another.
-STAGE_IMAGE = os.environ.get("LIFTOFF_IMAGE", "ghcr.io/liftoff/liftoff:latest")
+# The image a component declares; every task's image is set from `cluster.image` when the
+# pipeline is built (pipelines/pretrain.py), so this only names what `make images` builds.
+STAGE_IMAGE = "ghcr.io/liftoff/liftoff:latest"

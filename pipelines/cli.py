@@ -107,7 +107,7 @@ def _multirun(args: list[str]) -> tuple[bool, list[str]]:
 
 def cmd_run(args: list[str]) -> int:
     """The whole DAG locally through kfp.local; `-m` sweeps and ends with a table."""
-    from pipelines.kfp_ops import expand_sweep, print_summary, run_local
+    from pipelines.local import expand_sweep, print_summary, run_local
 
     multi, args = _multirun(args)
     overrides = _overrides_only("run", args)
@@ -129,7 +129,7 @@ def cmd_run(args: list[str]) -> int:
 def cmd_compile(args: list[str]) -> int:
     from pathlib import Path
 
-    from pipelines.kfp_ops import BUILD, compile_pipeline
+    from pipelines.cluster import BUILD, compile_pipeline
 
     overrides = _overrides_only("compile", args)
     path = compile_pipeline(compose(overrides), Path(BUILD) / "pretrain.yaml")
@@ -138,7 +138,7 @@ def cmd_compile(args: list[str]) -> int:
 
 
 def cmd_upload(args: list[str]) -> int:
-    from pipelines.kfp_ops import upload
+    from pipelines.cluster import upload
 
     overrides = _overrides_only("upload", args)
     print(upload(compose(overrides)))
@@ -146,7 +146,8 @@ def cmd_upload(args: list[str]) -> int:
 
 
 def cmd_submit(args: list[str]) -> int:
-    from pipelines.kfp_ops import expand_sweep, submit, sweep_name
+    from pipelines.cluster import submit, sweep_name
+    from pipelines.local import expand_sweep
 
     multi, args = _multirun(args)
     overrides = _overrides_only("submit", args)
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from components.store import StoreError
-    from pipelines.kfp_ops import KfpError
+    from pipelines.cluster import KfpError
+    from pipelines.local import RunFailed
 
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(argv[1:])
     # ValueError covers ConfigError, UsageError and Hydra's own override errors
-    except (HydraException, OmegaConfBaseException, ValueError, StoreError, KfpError) as e:
+    except (HydraException, OmegaConfBaseException, ValueError, StoreError, KfpError, RunFailed) as e:
         print(f"liftoff {argv[0]}: {_one_line(e)}", file=sys.stderr)
         return 2
 

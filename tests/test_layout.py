@@ -59,3 +59,38 @@ def test_no_function_is_longer_than_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} has {lines} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def _readme_layout() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Layout", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def test_readme_layout_matches_the_tree():
+    """Every entry the README's layout names exists, and every module on the floor, every
+    stage folder, every stage module and every pipelines module is named there."""
+    layout = _readme_layout()
+    entries, parent = [], None
+    for line in layout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not name or not (name.endswith("/") or name.endswith(".py")):
+            continue
+        if not line.startswith(" "):
+            parent = name
+            entries.append(name)
+        else:
+            entries.append(parent + name)
+    missing = [e for e in entries if not (ROOT / e).exists()]
+    assert not missing, f"README layout names what is not there: {missing}"
+    expected = [f"components/{p.name}" for p in (ROOT / "components").glob("*.py") if p.name != "__init__.py"]
+    expected += [f"pipelines/{p.name}" for p in (ROOT / "pipelines").glob("*.py") if p.name != "__init__.py"]
+    expected += [f"components/{d.name}/" for d in (ROOT / "components").iterdir() if (d / "__init__.py").exists()]
+    unnamed = [e for e in expected if e not in entries]
+    assert not unnamed, f"README layout does not name: {unnamed}"
+    for stage in STAGES:  # a stage's line (and its continuation lines) names each of its modules
+        block = layout.split(f"  {stage}/", 1)[1].split("\n  ", 1)[0]
+        block += "".join(ln for ln in layout.split(f"  {stage}/", 1)[1].splitlines()[1:] if ln.startswith(" " * 10))
+        modules = {p.stem for p in (ROOT / "components" / stage).glob("*.py") if p.name != "__init__.py"}
+        unnamed = [m for m in modules if m not in block]
+        assert not unnamed, f"README layout's {stage}/ line does not name {unnamed}"

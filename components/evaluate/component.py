@@ -1,14 +1,17 @@
 """KFP component `evaluate`: a validated model in; metrics and an HTML report out."""
 
 from kfp import dsl
-from kfp.dsl import HTML, Metrics, Output
+from kfp.dsl import HTML, Input, Metrics, Model, Output
 
 from components import STAGE_IMAGE
 
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
-def evaluate(model_ref: str, eval: dict, store: dict, metrics: Output[Metrics], report: Output[HTML]) -> str:
+def evaluate(
+    validated_model: Input[Model], eval: dict, store: dict, metrics: Output[Metrics], report: Output[HTML]
+) -> str:
     """Returns the evaluation's reference in the store."""
+    import json
     import logging
     import time
     from pathlib import Path
@@ -20,6 +23,7 @@ def evaluate(model_ref: str, eval: dict, store: dict, metrics: Output[Metrics], 
     started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     groups = checked_groups(eval=eval, store=store)  # a UI-edited group is checked like the CLI's
+    model_ref = json.loads(Path(validated_model.path).read_text())["ref"]
     result = run_evaluate(model_ref, groups["eval"], open_store(groups["store"]))
     print(f"liftoff-stage evaluate compute_s={time.perf_counter() - started:.3f}", flush=True)
     for name, value in result.metrics.items():

@@ -1,7 +1,7 @@
 """KFP component `preflight` (never cached): benchmark the nodes, plan, and gate the run."""
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Markdown, Metrics, Output
+from kfp.dsl import Artifact, Dataset, Input, Markdown, Metrics, Output
 
 from components import STAGE_IMAGE
 
@@ -16,9 +16,10 @@ def preflight(
     store: dict,
     metrics: Output[Metrics],
     report: Output[Markdown],
-    nodes: Output[Dataset],
-) -> str:
-    """Fails the run when too few nodes are healthy or the plan does not fit; returns 'ok'."""
+    verdict: Output[Artifact],
+) -> None:
+    """Fails the run when too few nodes are healthy or the plan does not fit; else writes the
+    verdict (healthy and excluded nodes) that train takes as its input."""
     import json
     import logging
     import time
@@ -52,6 +53,7 @@ def preflight(
     metrics.log_metric("healthy_nodes", float(len(result.healthy)))
     metrics.log_metric("preflight_seconds", result.seconds)
     Path(report.path).write_text(report_markdown(result, cfg))
-    Path(nodes.path).write_text(json.dumps({"healthy": result.healthy, "unhealthy": result.unhealthy}, indent=2))
-    gate(result, cfg)
-    return "ok"
+    gate(result, cfg)  # raises: no verdict, so train cannot start
+    passed = {"passed": True, "dataset": dataset.metadata.get("ref"), "healthy": result.healthy}
+    Path(verdict.path).write_text(json.dumps({**passed, "unhealthy": result.unhealthy}, indent=2))
+    verdict.metadata.update({"passed": True, "excluded_nodes": sorted(result.unhealthy)})

@@ -120,7 +120,7 @@ def run_preflight(
     stats = load_stats(store.fetch(store.manifest(Ref.parse(dataset)))) if dataset else {}
     vocab, seq_len = stats.get("vocab_size"), stats.get("seq_len", model.max_seq_len)
     world = cluster.nodes * cluster.procs_per_node
-    the_plan = plan(
+    step_plan = plan(
         model,
         train,
         world,
@@ -130,7 +130,7 @@ def run_preflight(
         peak_tflops=train.peak_tflops,
         busbw_gbps=busbw if world > 1 else None,
     )
-    result = PreflightResult(nodes, verdicts, the_plan, device_gb, time.perf_counter() - t0)
+    result = PreflightResult(nodes, verdicts, step_plan, device_gb, time.perf_counter() - t0)
     if cfg.quarantine and cluster.scheduler == Scheduler.kubernetes and result.unhealthy:
         from components.preflight.quarantine import quarantine_nodes
 

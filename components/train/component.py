@@ -1,7 +1,7 @@
 """KFP component `train`: a dataset version and config groups in; model, metrics and curves out."""
 
 from kfp import dsl
-from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
+from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
 
 from components import STAGE_IMAGE
 
@@ -9,6 +9,7 @@ from components import STAGE_IMAGE
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
 def train(
     dataset: Input[Dataset],
+    preflight_verdict: Input[Artifact],
     model: dict,
     train: dict,
     cluster: dict,
@@ -30,6 +31,9 @@ def train(
 
     started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    verdict = json.loads(Path(preflight_verdict.path).read_text())
+    if not verdict.get("passed"):
+        raise RuntimeError(f"preflight did not pass: {verdict}")  # KFP does not run us after a failed gate
     g = checked_groups(model=model, train=train, cluster=cluster, store=store)  # UI edits checked like the CLI's
     store_cfg = g["store"]
     result = run_train(
@@ -44,6 +48,7 @@ def train(
     ref = str(result.model.ref)
     Path(trained_model.path).write_text(json.dumps({"ref": ref, **result.result}, indent=2))
     trained_model.metadata.update({"ref": ref, "identity": result.identity, "checkpoint": result.checkpoint_version})
+    trained_model.metadata["preflight_excluded_nodes"] = sorted(verdict.get("unhealthy", {}))
     for name, value in final_metrics(result.run_dir / "metrics.jsonl").items():
         metrics.log_metric(name, value)
     Path(curves.path).write_text(curves_html(result.run_dir / "metrics.jsonl"))

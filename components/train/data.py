@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from components.blocks import TokenBlocks
-from components.train.inputs import DataFitError
+from components.train.prelaunch import DataFitError
 
 
 class BlockSampler:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from components import checkpoint_format as ckpt
 from components.config import ModelConfig
 from components.store import ArtifactStore, NotFound, Ref, StoreError
-from components.train.inputs import ResumeError, check_shape
+from components.train.prelaunch import ResumeError, check_shape
 
 log = logging.getLogger(__name__)
 

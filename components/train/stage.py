@@ -12,7 +12,7 @@ from pathlib import Path
 from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_dict, drop_none
 from components.launcher import run_app
 from components.store import ArtifactStore, Manifest, Ref, sha256_file
-from components.train.inputs import check_inputs
+from components.train.prelaunch import check_inputs
 
 log = logging.getLogger(__name__)
 

@@ -215,7 +215,7 @@ def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(job: Job, state: TrainState) -> dict:
-    """One optimizer step. The only host<->device syncs: the agreed loss and the grad norm."""
+    """One optimizer step. The only host<->device syncs: the loss_and_pending loss and the grad norm."""
     t0 = time.perf_counter()
     accum, forward, data_s = job.train.grad_accum_steps, DeviceTimer(job.device), 0.0
     loss_sum = torch.zeros((), device=job.device)
@@ -235,9 +235,9 @@ def train_step(job: Job, state: TrainState) -> dict:
     # all ranks agree on the loss and on whether every rank's async checkpoint is on disk
     t_comm = time.perf_counter()
     pending = 0.0 if job.checkpointer.pending_done() else 1.0
-    agreed = torch.stack([loss_sum, torch.full((), pending, device=job.device)])  # filled on the device
-    dist.all_reduce(agreed)
-    loss_total, pending_ranks = agreed.tolist()
+    loss_and_pending = torch.stack([loss_sum, torch.full((), pending, device=job.device)])  # filled on the device
+    dist.all_reduce(loss_and_pending)
+    loss_total, pending_ranks = loss_and_pending.tolist()
     comm_s = time.perf_counter() - t_comm
     step_loss = loss_total / job.world
 

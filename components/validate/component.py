@@ -7,8 +7,10 @@ from components import STAGE_IMAGE
 
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
-def validate(trained_model: Input[Model], eval: dict, store: dict, verdict: Output[Metrics]) -> str:
-    """Returns the validated model reference, for evaluate."""
+def validate(
+    trained_model: Input[Model], eval: dict, store: dict, verdict: Output[Metrics], validated_model: Output[Model]
+) -> None:
+    """Passes the model on to evaluate as `validated_model` only when every check holds."""
     import json
     import logging
     import time
@@ -28,4 +30,5 @@ def validate(trained_model: Input[Model], eval: dict, store: dict, verdict: Outp
         verdict.log_metric(f"check_{name}", 1.0 if ok else 0.0)
     for name, value in result.numbers.items():
         verdict.log_metric(name, float(value))
-    return ref
+    Path(validated_model.path).write_text(json.dumps({"ref": ref, "checks": result.checks}, indent=2))
+    validated_model.metadata.update({"ref": ref})

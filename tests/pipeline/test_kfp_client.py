@@ -97,3 +97,39 @@ def test_unreachable_kfp_host_is_one_clear_line(in_tmp, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Kubeflow Pipelines at http://127.0.0.1:" in err
     assert "Traceback" not in err
+
+
+def test_every_edge_is_an_artifact_and_the_cluster_settings_come_from_config(in_tmp):
+    """The UI graph shows the whole lineage: preflight's verdict feeds train, validate's model
+    feeds evaluate; image, pull policy, Secret and pipeline name are the composed config's."""
+    overrides = [
+        "cluster=kubernetes",
+        "cluster.image=registry.example.com/liftoff:0123456789",
+        "cluster.image_pull_policy=IfNotPresent",
+        "store.secret_name=team-minio",
+        "kfp.pipeline_name=team-pretrain",
+    ]
+    assert main(["compile", *overrides]) == 0
+    docs = list(yaml.safe_load_all((in_tmp / "build" / "pretrain.yaml").read_text()))
+    spec = docs[0]
+    assert spec["pipelineInfo"]["name"] == "team-pretrain"
+    tasks = spec["root"]["dag"]["tasks"]
+    train_in = tasks["train"]["inputs"]["artifacts"]
+    assert train_in["preflight_verdict"]["taskOutputArtifact"] == {
+        "producerTask": "preflight",
+        "outputArtifactKey": "verdict",
+    }
+    eval_in = tasks["evaluate"]["inputs"]
+    assert "parameters" not in eval_in or "model_ref" not in eval_in["parameters"]
+    assert eval_in["artifacts"]["validated_model"]["taskOutputArtifact"]["producerTask"] == "validate"
+    assert (
+        spec["components"]["comp-evaluate"]["inputDefinitions"]["artifacts"]["validated_model"]["artifactType"][
+            "schemaTitle"
+        ]
+        == "system.Model"
+    )
+    images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
+    assert images == {"registry.example.com/liftoff:0123456789"}
+    platform = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert {e["imagePullPolicy"] for e in platform.values()} == {"IfNotPresent"}
+    assert {s["secretName"] for e in platform.values() for s in e["secretAsEnv"]} == {"team-minio"}

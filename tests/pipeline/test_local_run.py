@@ -112,7 +112,7 @@ def test_a_group_edited_as_the_ui_sends_it_fails_in_the_stage_naming_the_key(in_
     groups["store"] = {**groups["store"], "root": str(in_tmp / "artifacts"), "cache_dir": str(in_tmp / ".cache")}
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(in_tmp / "kfp"))
     with pytest.raises(RuntimeError):
-        build_pipeline()(**groups)
+        build_pipeline(compose(FAST))(**groups)
     out = "\n".join(capfd.readouterr())
     stage_lines = [ln for ln in out.splitlines() if "ConfigError: invalid config: train.warmup_steps" in ln]
     assert stage_lines and "must be >= 0 and < train.steps=10" in stage_lines[-1]

@@ -1,43 +1,22 @@
-"""Running, compiling, uploading and submitting the pipeline: what the CLI's subcommands do."""
+"""The pipeline on a Kubeflow cluster: compile, upload and submit (`liftoff compile | upload | submit`)."""
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-import logging
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from components.config import group_dicts
-from components.store import Ref, open_store
+from components.store import code_version
 
-log = logging.getLogger(__name__)
 BUILD = Path("build")
-LOCAL_ROOT = Path("local_outputs")
 
 
 class KfpError(RuntimeError):
     pass
-
-
-def expand_sweep(overrides: list[str]) -> list[list[str]]:
-    """Hydra's basic sweeper: the cartesian product of every `key=a,b,c` override."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    choices = []
-    for o in OverridesParser.create().parse_overrides(overrides):
-        if o.is_sweep_override():
-            key = o.get_key_element()
-            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
-        else:
-            choices.append([o.input_line])
-    return [list(job) for job in itertools.product(*choices)]
 
 
 def compile_pipeline(cfg: DictConfig, path: Path) -> Path:
@@ -48,7 +27,7 @@ def compile_pipeline(cfg: DictConfig, path: Path) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(
-        build_pipeline(dict(cfg.cluster.node_selector)),
+        build_pipeline(cfg),
         str(path),
         pipeline_name=cfg.kfp.pipeline_name,
         pipeline_parameters=group_dicts(cfg),
@@ -56,52 +35,14 @@ def compile_pipeline(cfg: DictConfig, path: Path) -> Path:
     return path
 
 
-def run_local(cfg: DictConfig) -> dict:
-    """The whole DAG through kfp.local (SubprocessRunner, current interpreter, caching on)."""
-    import kfp.local
-
-    from pipelines.pretrain import build_pipeline
-
-    store = open_store(OmegaConf.to_object(cfg.store))  # an unreachable store fails here, before any stage
-    root = LOCAL_ROOT.resolve()
-    kfp.local.init(
-        runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp"), enable_caching=True
-    )
-    t0 = time.perf_counter()
-    try:
-        task = build_pipeline(dict(cfg.cluster.node_selector))(**group_dicts(cfg))
-    except RuntimeError as e:
-        raise KfpError(f"the pipeline failed: {str(e).splitlines()[0]} (the stage's log is above)") from None
-    eval_ref = task.output if isinstance(task.output, str) else task.outputs["Output"]
-    evaluation = store.manifest(Ref.parse(eval_ref))
-    lineage = store.lineage(evaluation.ref)
-    return {
-        "eval": eval_ref,
-        "metrics": evaluation.metadata["metrics"],
-        "lineage": lineage,
-        "seconds": time.perf_counter() - t0,
-        "kfp_root": str(root / "kfp"),
-    }
-
-
-def flatten_lineage(node: dict) -> list[str]:
-    out = [node["ref"]]
-    for parent in node["parents"]:
-        out += [r for r in flatten_lineage(parent) if r not in out]
-    return out
+def short_commit(version: str) -> str:
+    """`0123456789` or `0123456789-dirty` from a full code version."""
+    commit, _, dirty = version.partition("-")
+    return commit[:10] + (f"-{dirty}" if dirty else "")
 
 
 def config_hash(cfg: DictConfig) -> str:
     return hashlib.sha256(json.dumps(group_dicts(cfg), sort_keys=True).encode()).hexdigest()[:10]
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True, check=True, timeout=5
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "nogit"
 
 
 def client(cfg: DictConfig):
@@ -116,7 +57,7 @@ def client(cfg: DictConfig):
 def upload(cfg: DictConfig) -> str:
     """Upload the pipeline, or a new version named <git commit>-<config hash>; a no-op when it exists."""
     kfp_client = client(cfg)
-    version = f"{git_commit()}-{config_hash(cfg)}"
+    version = f"{short_commit(code_version())}-{config_hash(cfg)}"
     package = compile_pipeline(cfg, BUILD / "pretrain.yaml")
     name = cfg.kfp.pipeline_name
     pipeline_id = _call(lambda: kfp_client.get_pipeline_id(name), cfg)
@@ -170,13 +111,3 @@ def _call(fn, cfg: DictConfig):
         host = cfg.kfp.host or os.environ.get("KF_PIPELINES_ENDPOINT")
         reason = getattr(e, "reason", None) or str(e).splitlines()[0]
         raise KfpError(f"Kubeflow Pipelines at {host}: {type(e).__name__}: {reason}") from None
-
-
-def print_summary(result: dict) -> None:
-    print("\nartifacts:", file=sys.stdout)
-    for ref in flatten_lineage(result["lineage"]):
-        print(f"  {ref}")
-    print("metrics:")
-    for name, value in result["metrics"].items():
-        print(f"  {name}: {value:.6g}")
-    print(f"kfp.local outputs: {result['kfp_root']}  ({result['seconds']:.0f}s)")
