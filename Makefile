@@ -49,9 +49,11 @@ submit: install
 bench: install
 	$(BIN)/python -m benchmarks $(ARGS)
 
-images:                 ## the stage image, tagged with the git commit (needs a Docker engine)
+images:                 ## the stage image, tagged with the git commit it was built from (needs a Docker engine)
+	git diff --quiet HEAD || { echo "commit first: the image's tag and code version name a commit"; exit 1; }
 	docker build -f images/Dockerfile --build-arg TORCH_VARIANT=$(TORCH_VARIANT) \
-		-t $(IMAGE):$$(git rev-parse --short=10 HEAD) -t $(IMAGE):latest .
+		--build-arg GIT_COMMIT=$$(git rev-parse HEAD) -t $(IMAGE):$$(git rev-parse --short=10 HEAD) .
+	@echo "run it with cluster.image=$(IMAGE):$$(git rev-parse --short=10 HEAD)"
 
 clean:
 	rm -rf $(VENV) build artifacts runs local_outputs outputs multirun .cache .pytest_cache .ruff_cache

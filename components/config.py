@@ -227,8 +227,9 @@ class ClusterConfig:
     image: str = MISSING  # the stage image: every KFP task and every TorchX replica runs it
     image_pull_policy: str = MISSING  # Always for a mutable tag, so driver and workers run one code
     queue: str = MISSING
-    namespace: str = MISSING
+    namespace: str | None = MISSING  # None: the namespace the driver pod runs in (a profile's, on multi-user Kubeflow)
     service_account: str | None = MISSING
+    image_pull_secrets: list[str] = MISSING
     cpu: int = MISSING
     gpu: int = MISSING
     mem_mb: int = MISSING

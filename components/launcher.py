@@ -4,16 +4,20 @@ local_cwd or kubernetes (Volcano)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
+from components import k8s
 from components.config import ClusterConfig, Scheduler
 
 log = logging.getLogger(__name__)
@@ -24,6 +28,23 @@ PLUGIN_ENV = "LIFTOFF_WORKER_PLUGIN"
 
 class LaunchError(RuntimeError):
     pass
+
+
+@dataclass
+class Launch:
+    """One TorchX job a stage launches: the worker module and its spec, where, under what name."""
+
+    module: str
+    spec: dict
+    cluster: ClusterConfig
+    name: str
+    log_dir: Path
+
+    @property
+    def store_secret(self) -> str | None:
+        """The Secret the replicas read the store's keys from (MinIO only)."""
+        store = self.spec.get("store", {})
+        return store.get("secret_name") if store.get("backend") == "minio" else None
 
 
 def free_port() -> int:
@@ -86,23 +107,37 @@ def build_app(module: str, spec: dict, cluster: ClusterConfig, name: str, env: d
     role = app.roles[0]
     if cluster.scheduler == Scheduler.local_cwd:
         role.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    if cluster.node_selector and cluster.scheduler == Scheduler.kubernetes:
-        role.metadata = {"kubernetes": {"node_selector": dict(cluster.node_selector)}}
+    else:  # the Kubernetes node the pod runs on: what preflight records and quarantine patches
+        role.env["NODE_NAME"] = k8s.NODE_NAME_FROM_POD
     return app
 
 
-def scheduler_cfg(cluster: ClusterConfig, log_dir: Path) -> dict:
+def scheduler_cfg(cluster: ClusterConfig, log_dir: Path, namespace: str | None = None) -> dict:
     if cluster.scheduler == Scheduler.local_cwd:
         return {"log_dir": str(log_dir)}
-    cfg = {"queue": cluster.queue, "namespace": cluster.namespace}
+    # no server-side dry run: `liftoff render` needs none, and the API server validates the
+    # finished job when it is created (k8s.finish_job checks the pod-name limit TorchX would)
+    cfg = {"queue": cluster.queue, "namespace": namespace or k8s.namespace(cluster.namespace), "validate_spec": False}
     if cluster.service_account:
         cfg["service_account"] = cluster.service_account
     return cfg
 
 
-def run_app(
-    module: str, spec: dict, cluster: ClusterConfig, name: str, log_dir: Path, env: dict[str, str] | None = None
-) -> None:
+def kubernetes_job(
+    launch: Launch, env: dict[str, str] | None = None, runner=None, namespace: str | None = None, app=None
+):
+    """TorchX's own dry run of the job on Kubernetes, finished by `k8s.finish_job`: what a
+    cluster run submits and what `liftoff render` writes."""
+    from torchx.runner import get_runner
+
+    runner = runner or get_runner()
+    app = app or build_app(launch.module, launch.spec, launch.cluster, launch.name, env or {})
+    info = runner.dryrun(app, "kubernetes", cfg=scheduler_cfg(launch.cluster, launch.log_dir, namespace))
+    k8s.finish_job(info.request.resource, launch.cluster, launch.store_secret, launch.name)
+    return info
+
+
+def run_app(launch: Launch, env: dict[str, str] | None = None) -> None:
     """Run the job, relaunching it up to `cluster.max_restarts` times after a failure.
 
     Restarts are whole-job relaunches (a fresh rendezvous) rather than torchrun's
@@ -110,65 +145,119 @@ def run_app(
     different number of times, and their workers then look for each other under different
     store prefixes and never connect. The workers resume from the newest valid checkpoint.
     """
-    for attempt in range(cluster.max_restarts + 1):
+    attempts = launch.cluster.max_restarts + 1
+    for attempt in range(attempts):
         try:
-            return run_once(module, spec, cluster, name, log_dir, {**(env or {}), "LIFTOFF_ATTEMPT": str(attempt)})
+            return run_once(launch, {**(env or {}), "LIFTOFF_ATTEMPT": str(attempt)})
         except LaunchError as e:
-            if attempt == cluster.max_restarts:
+            if attempt == attempts - 1:
                 raise
             log.warning(
                 "%s failed (attempt %d of %d); relaunching: %s",
-                name,
+                launch.name,
                 attempt + 1,
-                cluster.max_restarts + 1,
+                attempts,
                 str(e).splitlines()[0],
             )
 
 
-def run_once(
-    module: str, spec: dict, cluster: ClusterConfig, name: str, log_dir: Path, env: dict[str, str], tail_lines: int = 40
-) -> None:
+def run_once(launch: Launch, env: dict[str, str], tail_lines: int = 40) -> None:
     """Launch, stream every replica's log lines, wait; raise LaunchError with the failing
-    replica's last lines when the job does not succeed."""
+    replica's last lines when the job does not succeed. The job never outlives this call:
+    on a failure, an exception or SIGTERM (a cancelled or evicted driver pod) it is cancelled."""
     from torchx.runner import get_runner
-    from torchx.specs import AppState
 
-    app = build_app(module, spec, cluster, name, env)
-    role = app.roles[0]
-    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = launch.cluster
+    launch.log_dir.mkdir(parents=True, exist_ok=True)
     runner = get_runner()
-    handle = runner.run(app, scheduler=cluster.scheduler.value, cfg=scheduler_cfg(cluster, log_dir))
-    log.info("launched %s on %s: %s", name, cluster.scheduler.value, handle)
-    tails = {k: deque(maxlen=tail_lines * 10) for k in range(cluster.nodes)}
+    app = build_app(launch.module, launch.spec, cluster, launch.name, env)
+    try:
+        if cluster.scheduler == Scheduler.kubernetes:
+            namespace = k8s.namespace(cluster.namespace)
+            k8s.delete_earlier_attempts(namespace, launch.name)  # a UI Retry must not leave two jobs on the GPUs
+            handle = runner.schedule(kubernetes_job(launch, env, runner, namespace, app))
+        else:
+            handle = runner.run(app, scheduler=cluster.scheduler.value, cfg=scheduler_cfg(cluster, launch.log_dir))
+        log.info("launched %s on %s: %s", launch.name, cluster.scheduler.value, handle)
+        with _cancelled_unless_finished(runner, handle, launch.name):
+            status, tails = _follow(runner, handle, launch, app.roles[0].name)
+    finally:
+        runner.close()
+    _raise_unless_succeeded(launch.name, status, tails, tail_lines)
+
+
+@contextlib.contextmanager
+def _cancelled_unless_finished(runner, handle: str, name: str):
+    """SIGTERM becomes an exception here (KFP and the kubelet stop a driver pod with it), and
+    any exception cancels the job before it propagates."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    except BaseException:
+        log.warning("cancelling %s: its driver is stopping", name)
+        try:
+            runner.cancel(handle)
+        except Exception as e:  # the job may be gone already; the original error matters more
+            log.warning("could not cancel %s: %s", handle, e)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40):
+    """Stream every replica's log until the job ends; (final status, each replica's last lines).
+    A replica's stream is retried while the job runs: its pod may not exist yet."""
+
+    done = threading.Event()
+    tails = {k: deque(maxlen=tail_lines * 10) for k in range(launch.cluster.nodes)}
 
     def stream(k: int) -> None:
-        try:
-            for line in runner.log_lines(handle, role.name, k, should_tail=True):
-                line = line.rstrip("\n")
-                tails[k].append(line)
-                print(f"[{name}/{k}] {line}", flush=True)
-        except Exception as e:  # log streaming must never hide the job's own outcome
-            tails[k].append(f"(log stream ended: {e})")
+        seen = 0  # a retried stream starts from the top again: skip what was printed
+        while True:
+            try:
+                for i, line in enumerate(runner.log_lines(handle, role, k, should_tail=True)):
+                    if i >= seen:
+                        line = line.rstrip("\n")
+                        tails[k].append(line)
+                        print(f"[{launch.name}/{k}] {line}", flush=True)
+                        seen += 1
+                return
+            except Exception as e:  # log streaming must never hide the job's own outcome
+                if done.wait(2.0):
+                    tails[k].append(f"(log stream ended: {e})")
+                    return
 
-    streams = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(cluster.nodes)]
+    streams = [threading.Thread(target=stream, args=(k,), daemon=True) for k in tails]
     for t in streams:
         t.start()
     status = runner.wait(handle, wait_interval=1)
+    done.set()
     for t in streams:
         t.join(timeout=10)
-    runner.close()
-    if status is None or status.state != AppState.SUCCEEDED:
-        state = status.state.name if status else "UNKNOWN"
-        failing = _failing_replica(status)
-        seen = list(tails.get(failing, [])) if failing is not None else [ln for k in sorted(tails) for ln in tails[k]]
-        cause = root_cause(seen)
-        raise LaunchError(
-            f"{name} ended {state}"
-            + (f"; replica {failing} failed" if failing is not None else "")
-            + (f": {cause}" if cause else "")
-            + "; last log lines:\n"
-            + "\n".join(log_tail(seen, tail_lines))
-        )
+    return status, tails
+
+
+def _raise_unless_succeeded(name: str, status, tails: dict, tail_lines: int) -> None:
+    from torchx.specs import AppState
+
+    if status is not None and status.state == AppState.SUCCEEDED:
+        return
+    state = status.state.name if status else "UNKNOWN"
+    failing = _failing_replica(status)
+    seen = list(tails.get(failing, [])) if failing is not None else [ln for k in sorted(tails) for ln in tails[k]]
+    cause = root_cause(seen)
+    raise LaunchError(
+        f"{name} ended {state}"
+        + (f"; replica {failing} failed" if failing is not None else "")
+        + (f": {cause}" if cause else "")
+        + "; last log lines:\n"
+        + "\n".join(log_tail(seen, tail_lines))
+    )
 
 
 # torchrun's C++ stack frames and banners after a worker died: they push the worker's own

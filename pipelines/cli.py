@@ -137,6 +137,16 @@ def cmd_compile(args: list[str]) -> int:
     return 0
 
 
+def cmd_render(args: list[str]) -> int:
+    """What a cluster run would create: build/pretrain.yaml and build/jobs/{train,preflight}.yaml."""
+    from pipelines.cluster import render
+
+    overrides = _overrides_only("render", args)
+    for path in render(compose(overrides)):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_upload(args: list[str]) -> int:
     from pipelines.cluster import upload
 
@@ -146,19 +156,29 @@ def cmd_upload(args: list[str]) -> int:
 
 
 def cmd_submit(args: list[str]) -> int:
-    from pipelines.cluster import submit, sweep_name
+    """Submit to Kubeflow Pipelines; `--wait` follows every run and exits 1 unless all succeed."""
+    from pipelines.cluster import run_url, submit, sweep_name, wait
     from pipelines.local import expand_sweep
 
-    multi, args = _multirun(args)
+    follow = "--wait" in args
+    multi, args = _multirun([a for a in args if a != "--wait"])
     overrides = _overrides_only("submit", args)
     jobs = expand_sweep(overrides) if multi else [overrides]
     configs = [compose(job) for job in jobs]
     experiment = configs[0].kfp.experiment or sweep_name(overrides)
+    runs = []
     for job, cfg in zip(jobs, configs, strict=True):
+        run_id = submit(cfg, job, experiment)
+        runs.append((cfg, run_id))
         print(
-            f"submitted run {submit(cfg, job, experiment)} ({' '.join(job) or 'defaults'}) to experiment {experiment}"
+            f"submitted run {run_id} ({' '.join(job) or 'defaults'}) to experiment {experiment}: {run_url(cfg, run_id)}"
         )
-    return 0
+    if not follow:
+        return 0
+    states = [(run_id, wait(cfg, run_id, timeout_s=7 * 24 * 3600)) for cfg, run_id in runs]
+    for run_id, state in states:
+        print(f"run {run_id}: {state}")
+    return 0 if all(state == "SUCCEEDED" for _, state in states) else 1
 
 
 class UsageError(ValueError):
@@ -171,6 +191,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "plan": cmd_plan,
     "run": cmd_run,
     "compile": cmd_compile,
+    "render": cmd_render,
     "upload": cmd_upload,
     "submit": cmd_submit,
 }

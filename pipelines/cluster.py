@@ -35,6 +35,33 @@ def compile_pipeline(cfg: DictConfig, path: Path) -> Path:
     return path
 
 
+def render(cfg: DictConfig, out: Path = BUILD) -> list[Path]:
+    """What a cluster run would create, for review (like `helm template`) and schema tests:
+    the compiled pipeline and TorchX's own Kubernetes dry run of the train and preflight jobs.
+    The dataset version is known only once tokenize has run; the jobs name it `@RENDERED`."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from components import k8s
+    from components.launcher import kubernetes_job
+    from components.preflight.stage import preflight_launch
+    from components.train.stage import train_launch
+
+    typed = OmegaConf.to_object(cfg)
+    dataset = f"dataset/{typed.data.name}@RENDERED"
+    namespace = typed.cluster.namespace or "default"
+    _, _, train = train_launch(dataset, typed.model, typed.train, typed.cluster, typed.store)
+    preflight = preflight_launch(dataset, typed.train, typed.cluster, typed.preflight, typed.store)
+    written = [compile_pipeline(cfg, out / "pretrain.yaml")]
+    (out / "jobs").mkdir(parents=True, exist_ok=True)
+    for stage, launch in (("train", train), ("preflight", preflight)):
+        job = k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace=namespace).request.resource)
+        path = out / "jobs" / f"{stage}.yaml"
+        path.write_text(yaml.safe_dump(job, sort_keys=False))
+        written.append(path)
+    return written
+
+
 def short_commit(version: str) -> str:
     """`0123456789` or `0123456789-dirty` from a full code version."""
     commit, _, dirty = version.partition("-")
@@ -51,7 +78,38 @@ def client(cfg: DictConfig):
     host = cfg.kfp.host or os.environ.get("KF_PIPELINES_ENDPOINT")
     if not host:
         raise KfpError("no Kubeflow Pipelines endpoint: set kfp.host=URL or $KF_PIPELINES_ENDPOINT")
-    return _call(lambda: kfp.Client(host=host, namespace=cfg.kfp.namespace or "kubeflow"), cfg)
+    namespace = cfg.kfp.namespace or "kubeflow"
+    return _call(lambda: kfp.Client(host=host, namespace=namespace, **credentials()), cfg)
+
+
+def credentials() -> dict:
+    """How liftoff authenticates to Kubeflow Pipelines, first found wins: $KF_PIPELINES_TOKEN
+    (a bearer token: `kubectl create token`, an OIDC login), $KF_PIPELINES_COOKIE (the
+    `authservice_session=...` cookie of a browser session behind Dex / oauth2-proxy), or, in
+    a pod, the projected service-account token KFP mounts (ServiceAccountTokenVolumeCredentials)."""
+    if token := os.environ.get("KF_PIPELINES_TOKEN"):
+        return {"existing_token": token}
+    if cookie := os.environ.get("KF_PIPELINES_COOKIE"):
+        return {"cookies": cookie}
+    token_file = Path(os.environ.get("KF_PIPELINES_SA_TOKEN_PATH", "/var/run/secrets/kubeflow/pipelines/token"))
+    if token_file.is_file():
+        from kfp.client import ServiceAccountTokenVolumeCredentials
+
+        return {"credentials": ServiceAccountTokenVolumeCredentials(str(token_file))}
+    return {}
+
+
+def run_url(cfg: DictConfig, run_id: str) -> str:
+    host = (cfg.kfp.host or os.environ.get("KF_PIPELINES_ENDPOINT", "")).rstrip("/")
+    return f"{host}/#/runs/details/{run_id}"
+
+
+def wait(cfg: DictConfig, run_id: str, timeout_s: float) -> str:
+    """Follow a run to its end (for CI); its final state."""
+    import datetime
+
+    run = _call(lambda: client(cfg).wait_for_run_completion(run_id, datetime.timedelta(seconds=timeout_s)), cfg)
+    return str(run.state)
 
 
 def upload(cfg: DictConfig) -> str:

@@ -21,7 +21,7 @@ from components.validate.component import validate as validate_op
 
 def on_cluster(task: dsl.PipelineTask, cfg: Any) -> dsl.PipelineTask:
     """What every task needs on Kubeflow: the stage image and its pull policy, store
-    credentials from a Secret (never a parameter), a RAM-backed /dev/shm, and placement."""
+    credentials from a Secret (never a parameter) and a RAM-backed /dev/shm."""
     task.set_container_image(cfg.cluster.image)
     kubernetes.set_image_pull_policy(task, cfg.cluster.image_pull_policy)
     kubernetes.use_secret_as_env(
@@ -34,10 +34,7 @@ def on_cluster(task: dsl.PipelineTask, cfg: Any) -> dsl.PipelineTask:
         },
     )
     kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory")
-    for key, value in cfg.cluster.node_selector.items():
-        kubernetes.add_node_selector(task, label_key=key, label_value=value)
-    kubernetes.add_toleration(task, key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
-    return task
+    return task  # no GPU placement: these pods drive TorchX jobs; the replicas get the GPUs
 
 
 def build_pipeline(cfg: Any):

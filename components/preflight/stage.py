@@ -22,7 +22,7 @@ from components.config import (
     as_plain_dict,
     drop_none,
 )
-from components.launcher import run_app
+from components.launcher import Launch, run_app
 from components.precision import recipe
 from components.preflight.plan import Plan, fits, format_plan, plan
 from components.preflight.verdict import NodeVerdict, judge
@@ -84,6 +84,24 @@ def report_markdown(result: PreflightResult, cfg: PreflightConfig) -> str:
     return "\n".join(lines)
 
 
+def preflight_launch(
+    dataset: str | None, train: TrainConfig, cluster: ClusterConfig, cfg: PreflightConfig, store_cfg: StoreConfig
+) -> Launch:
+    """The TorchX job that benchmarks every node: one replica per node, a fresh run id."""
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    spec = {
+        "preflight": as_plain_dict(cfg),
+        "store": drop_none(as_plain_dict(store_cfg)),
+        "dataset": dataset,
+        "name": f"{cluster.scheduler.value}-{cluster.nodes}n",
+        "run_id": run_id,
+        "checkpoint_dir": str(Path(train.run_dir).resolve()),
+    }
+    nodes_cluster = dataclasses.replace(cluster, procs_per_node=1)  # one replica per node
+    log_dir = Path(train.run_dir).resolve() / "preflight" / run_id
+    return Launch("components.preflight.worker", spec, nodes_cluster, f"preflight-{run_id[-8:]}", log_dir)
+
+
 def run_preflight(
     dataset: str | None,
     model: ModelConfig,
@@ -94,23 +112,9 @@ def run_preflight(
     store: ArtifactStore,
 ) -> PreflightResult:
     t0 = time.perf_counter()
-    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    nodes_cluster = dataclasses.replace(cluster, procs_per_node=1)  # one replica per node
-    spec = {
-        "preflight": as_plain_dict(cfg),
-        "store": drop_none(as_plain_dict(store_cfg)),
-        "dataset": dataset,
-        "name": f"{cluster.scheduler.value}-{cluster.nodes}n",
-        "run_id": run_id,
-        "checkpoint_dir": str(Path(train.run_dir).resolve()),
-    }
-    run_app(
-        "components.preflight.worker",
-        spec,
-        nodes_cluster,
-        f"preflight-{run_id[-8:]}",
-        Path(train.run_dir).resolve() / "preflight" / run_id,
-    )
+    launch = preflight_launch(dataset, train, cluster, cfg, store_cfg)
+    spec, run_id = launch.spec, launch.spec["run_id"]
+    run_app(launch)
     published = store.fetch(store.manifest(Ref("preflight", spec["name"], run_id)))
     nodes = json.loads((published / "nodes.json").read_text())
     verdicts = judge(nodes, cfg)

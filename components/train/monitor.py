@@ -163,7 +163,7 @@ class Monitor:
 
             self._tb = SummaryWriter(str(out_dir / "tensorboard"))
         self.hosts = [None] * world
-        dist.all_gather_object(self.hosts, socket.gethostname())
+        dist.all_gather_object(self.hosts, os.environ.get("NODE_NAME") or socket.gethostname())
 
     def log_step(self, record: dict) -> None:
         # Forward time is this rank's own: under DDP no collective runs in forward, whereas

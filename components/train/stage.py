@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_dict, drop_none
-from components.launcher import run_app
+from components.launcher import Launch, run_app
 from components.store import ArtifactStore, Manifest, Ref, sha256_file
 from components.train.prelaunch import check_inputs
 
@@ -58,27 +58,39 @@ def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> s
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_train(
-    dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store_cfg, store: ArtifactStore
-) -> TrainResult:
-    data_manifest = store.resolve(*_kind_name_version(dataset))
-    data_dir = store.fetch(data_manifest)  # cached here, so local ranks find it verified
-    check_inputs(data_dir, model, train, cluster, store)
-    identity = training_identity(str(data_manifest.ref), model, train)
+def train_launch(
+    dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store_cfg
+) -> tuple[str, Path, Launch]:
+    """(training identity, run directory, the TorchX job that trains it)."""
+    identity = training_identity(dataset, model, train)
     run_dir = Path(train.run_dir).resolve() / identity
     spec = {
         "train": as_plain_dict(train),
         "model": drop_none(as_plain_dict(model)),
         "store": drop_none(as_plain_dict(store_cfg)),
-        "dataset": str(data_manifest.ref),
+        "dataset": dataset,
         "identity": identity,
         "run_dir": str(run_dir),
         "checkpoint_dir": str(
             Path(train.checkpoint_dir).resolve() / identity if train.checkpoint_dir else run_dir / "checkpoints"
         ),
     }
+    return (
+        identity,
+        run_dir,
+        Launch("components.train.worker", spec, cluster, f"train-{identity[:8]}", run_dir / "logs"),
+    )
+
+
+def run_train(
+    dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store_cfg, store: ArtifactStore
+) -> TrainResult:
+    data_manifest = store.resolve(*_kind_name_version(dataset))
+    data_dir = store.fetch(data_manifest)  # cached here, so local ranks find it verified
+    check_inputs(data_dir, model, train, cluster, store)
+    identity, run_dir, launch = train_launch(str(data_manifest.ref), model, train, cluster, store_cfg)
     log.info("training identity %s: run directory %s", identity, run_dir)
-    run_app("components.train.worker", spec, cluster, f"train-{identity[:8]}", run_dir / "logs")
+    run_app(launch)
     result = json.loads((run_dir / "result.json").read_text())
     shutil.copyfile(run_dir / "metrics.jsonl", Path(result["export_dir"]) / "training_metrics.jsonl")
     ckpt_ref = f"checkpoint/{model.name}@{result['checkpoint_version']}"

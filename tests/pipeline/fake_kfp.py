@@ -17,6 +17,7 @@ class FakeKfp:
         self.versions: dict[str, list[dict]] = {}
         self.experiments: dict[str, dict] = {}
         self.runs: list[dict] = []
+        self.final_state = "SUCCEEDED"  # what a run reports when `submit --wait` asks
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -46,7 +47,15 @@ class FakeKfp:
 
     def _record(self, handler, body: bytes):
         u = urlparse(handler.path)
-        self.requests.append({"method": handler.command, "path": u.path, "query": parse_qs(u.query), "body": body})
+        self.requests.append(
+            {
+                "method": handler.command,
+                "path": u.path,
+                "query": parse_qs(u.query),
+                "body": body,
+                "headers": {k.lower(): v for k, v in handler.headers.items()},
+            }
+        )
 
     def answer(self, method: str, path: str, body: bytes) -> dict:
         u = urlparse(path)
@@ -89,6 +98,10 @@ class FakeKfp:
             run["run_id"] = f"r{len(self.runs) + 1}"
             self.runs.append(run)
             return run
+        m = re.fullmatch(r"/apis/v2beta1/runs/([^/]+)", p)
+        if method == "GET" and m:
+            run = next(r for r in self.runs if r["run_id"] == m.group(1))
+            return {**run, "state": self.final_state, "finished_at": "2026-12-01T00:00:00Z"}
         return {}
 
     def __enter__(self):

@@ -133,3 +133,28 @@ def test_every_edge_is_an_artifact_and_the_cluster_settings_come_from_config(in_
     platform = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     assert {e["imagePullPolicy"] for e in platform.values()} == {"IfNotPresent"}
     assert {s["secretName"] for e in platform.values() for s in e["secretAsEnv"]} == {"team-minio"}
+
+
+def test_submit_authenticates_with_a_token_and_wait_follows_the_run(in_tmp, monkeypatch, capsys):
+    """Finding 10: behind Dex / oauth2-proxy every call carries credentials; `submit --wait`
+    prints the run's UI URL, follows it and exits non-zero when it fails (for CI)."""
+    monkeypatch.setenv("KF_PIPELINES_TOKEN", "sentinel-bearer-token")
+    with FakeKfp() as kfp:
+        assert main(["submit", "--wait", f"kfp.host={kfp.url}", "kfp.namespace=team-a"]) == 0
+        out = capsys.readouterr().out
+        assert f"{kfp.url}/#/runs/details/r1" in out and "run r1: SUCCEEDED" in out
+        assert kfp.requests and all(
+            r["headers"].get("authorization") == "Bearer sentinel-bearer-token" for r in kfp.requests
+        )
+        assert kfp.runs[0]["experiment_id"] and any(r["path"] == "/apis/v2beta1/runs/r1" for r in kfp.requests)
+        kfp.final_state = "FAILED"
+        assert main(["submit", "--wait", f"kfp.host={kfp.url}"]) == 1
+        assert "run r2: FAILED" in capsys.readouterr().out
+
+
+def test_submit_with_a_session_cookie(in_tmp, monkeypatch):
+    monkeypatch.delenv("KF_PIPELINES_TOKEN", raising=False)
+    monkeypatch.setenv("KF_PIPELINES_COOKIE", "authservice_session=sentinel-session")
+    with FakeKfp() as kfp:
+        assert main(["submit", f"kfp.host={kfp.url}"]) == 0
+        assert all("authservice_session=sentinel-session" in r["headers"].get("cookie", "") for r in kfp.requests)
