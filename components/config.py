@@ -272,9 +272,15 @@ class KfpConfig:
     experiment: str | None = MISSING  # None: named after the sweep's overrides
     service_account: str | None = MISSING  # runs execute as this (TorchX needs to create Volcano jobs)
     pipeline_name: str = MISSING
+    wait_timeout_s: float = MISSING  # `liftoff submit --wait` gives up after this long
 
     def check(self) -> list[str]:
-        return failed([("kfp.pipeline_name", bool(self.pipeline_name.strip()), "must not be empty")])
+        return failed(
+            [
+                ("kfp.pipeline_name", bool(self.pipeline_name.strip()), "must not be empty"),
+                ("kfp.wait_timeout_s", self.wait_timeout_s > 0, f"must be > 0, got {self.wait_timeout_s}"),
+            ]
+        )
 
 
 @dataclass

@@ -69,34 +69,20 @@ def _print_lineage(node: dict, depth: int) -> None:
 
 def cmd_plan(args: list[str]) -> int:
     """Memory, FLOPs and step time for a config, no hardware needed; exit 1 when it cannot fit."""
-    import os
+    from components.preflight.plan import fits, format_plan, plan_for
 
-    from components.preflight.plan import fits, format_plan, plan
-
-    overrides = _overrides_only("plan", args)
-    cfg = OmegaConf.to_object(compose(overrides))
-    vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
-    world = cfg.cluster.nodes * cfg.cluster.procs_per_node
-    device_gb = cfg.preflight.device_memory_gb or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    p = plan(
-        cfg.model,
-        cfg.train,
-        world,
-        cfg.data.seq_len,
-        vocab,
-        tflops=cfg.train.peak_tflops,
-        peak_tflops=cfg.train.peak_tflops,
-    )
-    print(format_plan(p, device_gb, cfg.preflight.memory_safety))
-    if not fits(p, device_gb, cfg.preflight.memory_safety):
+    cfg = OmegaConf.to_object(compose(_overrides_only("plan", args)))
+    p, device_gb = plan_for(cfg)
+    safety = cfg.preflight.memory_safety
+    print(format_plan(p, device_gb, safety))
+    if not fits(p, device_gb, safety):
         print(
             f"liftoff plan: does not fit: {p.total_gb:.2f} GB per device > {device_gb:.2f} GB x "
-            f"preflight.memory_safety={cfg.preflight.memory_safety} = "
-            f"{device_gb * cfg.preflight.memory_safety:.2f} GB",
+            f"preflight.memory_safety={safety} = {device_gb * safety:.2f} GB",
             file=sys.stderr,
         )
         return 1
-    print(f"fits: {p.total_gb:.3f} GB of {device_gb * cfg.preflight.memory_safety:.2f} GB per device")
+    print(f"fits: {p.total_gb:.3f} GB of {device_gb * safety:.2f} GB per device")
     return 0
 
 
@@ -175,7 +161,7 @@ def cmd_submit(args: list[str]) -> int:
         )
     if not follow:
         return 0
-    states = [(run_id, wait(cfg, run_id, timeout_s=7 * 24 * 3600)) for cfg, run_id in runs]
+    states = [(run_id, wait(cfg, run_id, timeout_s=cfg.kfp.wait_timeout_s)) for cfg, run_id in runs]
     for run_id, state in states:
         print(f"run {run_id}: {state}")
     return 0 if all(state == "SUCCEEDED" for _, state in states) else 1

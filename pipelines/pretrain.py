@@ -1,10 +1,12 @@
 """The pretraining DAG: tokenize -> preflight -> train -> validate -> evaluate.
 
 One dict parameter per config group; each stage receives only the groups it depends on,
-so KFP's cache skips every stage whose inputs did not change (preflight is never cached:
-the fleet may have changed since the last run). Every edge is an artifact: the dataset,
-preflight's verdict (train refuses to start without a passing one), the trained model and
-the validated model, so the Kubeflow UI's graph shows the whole lineage.
+so KFP's cache skips every stage whose inputs did not change. Preflight is never cached
+(the fleet may have changed since the last run), so train, which takes its verdict, reruns
+too: with the same training identity it resumes from its final checkpoint and re-exports.
+Every edge is an artifact: the dataset, preflight's verdict (train refuses to start without
+a passing one), the trained model and the validated model, so the Kubeflow UI's graph shows
+the whole lineage.
 """
 
 from typing import Any

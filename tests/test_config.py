@@ -134,12 +134,15 @@ def test_every_default_lives_in_conf():
     """No schema dataclass carries a value of its own: each field is MISSING, and composing
     `conf/` fills every one of them (a key that conf/ forgot fails at compose time)."""
     import dataclasses
+    import typing
 
     from omegaconf import MISSING, OmegaConf
 
     from components.config import Config, KfpConfig
 
-    schemas = [*GROUP_SCHEMAS.values(), KfpConfig]
+    hints = typing.get_type_hints(Config)
+    schemas = [hints[f.name] for f in dataclasses.fields(Config)]  # every group the composed config has
+    assert set(GROUP_SCHEMAS.values()) | {KfpConfig} <= set(schemas)
     own = [
         f"{schema.__name__}.{f.name}"
         for schema in schemas

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("tokenize", "preflight", "train", "validate", "evaluate")
+# every stage is a folder with a KFP component in it
+STAGES = tuple(sorted(p.parent.name for p in (ROOT / "components").glob("*/component.py")))
 MAX_FUNCTION_LINES = 80
 
 
@@ -14,17 +16,32 @@ def _sources(*dirs: str) -> list[Path]:
     return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py"))
 
 
-def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
-    """Every module an import statement names, lazy imports inside functions included."""
+def _package(path: Path) -> list[str]:
+    return list(path.relative_to(ROOT).with_suffix("").parts[:-1])
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every module a file names: import statements anywhere (relative ones resolved against
+    the file's package) and string constants that spell a liftoff module (importlib)."""
     found = []
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-            if node.module == "components":  # `from components import train`
-                found += [(node.lineno, f"components.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = _package(path)[: len(_package(path)) - (node.level - 1)]
+                base = ".".join([*package, *([base] if base else [])])
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"components(\.\w+)+", node.value):
+                found.append((node.lineno, node.value))
     return found
+
+
+def test_stages_are_found():
+    assert {"tokenize", "preflight", "train", "validate", "evaluate"} <= set(STAGES)
 
 
 def test_no_stage_imports_another_stage():
@@ -32,7 +49,7 @@ def test_no_stage_imports_another_stage():
     for path in _sources("components"):
         rel = path.relative_to(ROOT / "components")
         own = rel.parts[0] if len(rel.parts) > 1 else None
-        for line, module in _imported_modules(ast.parse(path.read_text())):
+        for line, module in _imported_modules(path):
             parts = module.split(".")
             if parts[0] == "components" and len(parts) > 1 and parts[1] in STAGES and parts[1] != own:
                 sideways.append(f"components/{rel}:{line} imports {module}")
@@ -40,12 +57,13 @@ def test_no_stage_imports_another_stage():
 
 
 def test_the_floor_imports_no_stage():
-    """components/*.py (the floor) stands under the stages, never on them."""
+    """components/*.py and components/precision/ (the floor) stand under the stages."""
+    floor = [*(ROOT / "components").glob("*.py"), *(ROOT / "components" / "precision").glob("*.py")]
     upward = [
-        f"{path.name}:{line} imports {module}"
-        for path in sorted((ROOT / "components").glob("*.py"))
-        for line, module in _imported_modules(ast.parse(path.read_text()))
-        if module.split(".")[:2][-1] in STAGES and module.startswith("components.")
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted(floor)
+        for line, module in _imported_modules(path)
+        if module.startswith("components.") and module.split(".")[1] in STAGES
     ]
     assert not upward, "\n".join(upward)
 
@@ -61,36 +79,48 @@ def test_no_function_is_longer_than_a_screen():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
 
 
-def _readme_layout() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Layout", 1)[1]
-    return section.split("```", 2)[1]
+def test_one_code_version_helper():
+    """Only components/store.py asks git which code this is (manifests and uploaded versions)."""
+    askers = [
+        str(path.relative_to(ROOT))
+        for path in _sources("components", "pipelines")
+        if re.search(r"""["']git["']""", path.read_text())
+    ]
+    assert askers == ["components/store.py"], askers
+
+
+def _readme_layout() -> dict[str, str]:
+    """The README's layout block as {entry path: its description, continuation lines included}."""
+    block = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("```", 2)[1]
+    entries, parent, last = {}, "", None
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        name = line.split()[0]
+        if line.startswith(" " * 10) and last:  # a continuation of the entry above
+            entries[last] += " " + line.strip()
+            continue
+        path = name if not line.startswith(" ") else parent + name
+        if not line.startswith(" "):
+            parent = name
+        entries[path], last = line[len(line) - len(line.lstrip()) + len(name) :].strip(), path
+    return entries
 
 
 def test_readme_layout_matches_the_tree():
-    """Every entry the README's layout names exists, and every module on the floor, every
-    stage folder, every stage module and every pipelines module is named there."""
-    layout = _readme_layout()
-    entries, parent = [], None
-    for line in layout.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        if not name or not (name.endswith("/") or name.endswith(".py")):
-            continue
-        if not line.startswith(" "):
-            parent = name
-            entries.append(name)
-        else:
-            entries.append(parent + name)
-    missing = [e for e in entries if not (ROOT / e).exists()]
+    """Every entry the README's layout names exists; every floor module, folder and pipelines
+    module is named; and each stage's (and precision/'s) line names exactly its modules."""
+    entries = _readme_layout()
+    missing = [e for e in entries if (e.endswith("/") or e.endswith(".py")) and not (ROOT / e).exists()]
     assert not missing, f"README layout names what is not there: {missing}"
     expected = [f"components/{p.name}" for p in (ROOT / "components").glob("*.py") if p.name != "__init__.py"]
     expected += [f"pipelines/{p.name}" for p in (ROOT / "pipelines").glob("*.py") if p.name != "__init__.py"]
     expected += [f"components/{d.name}/" for d in (ROOT / "components").iterdir() if (d / "__init__.py").exists()]
     unnamed = [e for e in expected if e not in entries]
     assert not unnamed, f"README layout does not name: {unnamed}"
-    for stage in STAGES:  # a stage's line (and its continuation lines) names each of its modules
-        block = layout.split(f"  {stage}/", 1)[1].split("\n  ", 1)[0]
-        block += "".join(ln for ln in layout.split(f"  {stage}/", 1)[1].splitlines()[1:] if ln.startswith(" " * 10))
-        modules = {p.stem for p in (ROOT / "components" / stage).glob("*.py") if p.name != "__init__.py"}
-        unnamed = [m for m in modules if m not in block]
-        assert not unnamed, f"README layout's {stage}/ line does not name {unnamed}"
+    for folder in [*STAGES, "precision"]:
+        words = set(re.findall(r"\w+", entries[f"components/{folder}/"].replace(".py", "")))
+        modules = {p.stem for p in (ROOT / "components" / folder).glob("*.py") if p.name != "__init__.py"}
+        assert modules <= words, f"README's components/{folder}/ line does not name {sorted(modules - words)}"
+        listed = set(re.findall(r"(\w+)\.py", entries[f"components/{folder}/"]))
+        assert listed <= modules, f"README's components/{folder}/ line names {sorted(listed - modules)}: not there"

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from components.precision import Recipe
+from components.preflight.plan import host_memory_gb
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -75,7 +76,7 @@ def host_facts(device: torch.device, checkpoint_dir: Path) -> dict:
     if device.type == "cuda":
         facts["device_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 1e9
     else:
-        facts["device_memory_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        facts["device_memory_gb"] = host_memory_gb()
     return facts
 
 

@@ -237,3 +237,20 @@ def format_plan(p: Plan, device_memory_gb: float, safety: float) -> str:
 
 def fits(p: Plan, device_memory_gb: float, safety: float) -> bool:
     return p.total_gb <= device_memory_gb * safety
+
+
+def host_memory_gb() -> float:
+    """This machine's RAM: a CPU "device"'s memory."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+def plan_for(cfg) -> tuple[Plan, float]:
+    """(the plan for a composed config, the device memory it is judged against) without any
+    hardware: `preflight.device_memory_gb`, else this host's memory."""
+    vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
+    world = cfg.cluster.nodes * cfg.cluster.procs_per_node
+    device_gb = cfg.preflight.device_memory_gb or host_memory_gb()
+    tflops = cfg.train.peak_tflops
+    return plan(cfg.model, cfg.train, world, cfg.data.seq_len, vocab, tflops=tflops, peak_tflops=tflops), device_gb

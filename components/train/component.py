@@ -27,13 +27,11 @@ def train(
     from components.config import checked_groups
     from components.store import open_store
     from components.train.report import curves_html, final_metrics
-    from components.train.stage import run_train
+    from components.train.stage import require_passing_verdict, run_train
 
     started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    verdict = json.loads(Path(preflight_verdict.path).read_text())
-    if not verdict.get("passed"):
-        raise RuntimeError(f"preflight did not pass: {verdict}")  # KFP does not run us after a failed gate
+    verdict = require_passing_verdict(json.loads(Path(preflight_verdict.path).read_text()))
     g = checked_groups(model=model, train=train, cluster=cluster, store=store)  # UI edits checked like the CLI's
     store_cfg = g["store"]
     result = run_train(
@@ -49,7 +47,7 @@ def train(
     Path(trained_model.path).write_text(json.dumps({"ref": ref, **result.result}, indent=2))
     trained_model.metadata.update({"ref": ref, "identity": result.identity, "checkpoint": result.checkpoint_version})
     trained_model.metadata["preflight_excluded_nodes"] = sorted(verdict.get("unhealthy", {}))
-    for name, value in final_metrics(result.run_dir / "metrics.jsonl").items():
+    for name, value in final_metrics(result.metrics).items():
         metrics.log_metric(name, value)
-    Path(curves.path).write_text(curves_html(result.run_dir / "metrics.jsonl"))
+    Path(curves.path).write_text(curves_html(result.metrics))
     return ref

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_dict, drop_none
 from components.launcher import Launch, run_app
-from components.store import ArtifactStore, Manifest, Ref, sha256_file
+from components.store import ArtifactStore, Manifest, Ref
 from components.train.prelaunch import check_inputs
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,20 @@ class TrainResult:
     final_loss: float
     checkpoint_version: str
     result: dict
+    metrics: Path  # the run's metrics.jsonl, as fetched from the store
+
+
+class PreflightNotPassed(RuntimeError):
+    """Train was handed a preflight verdict that does not say the fleet and plan passed."""
+
+
+def require_passing_verdict(verdict: dict) -> dict:
+    """The verdict preflight hands train, when it says the run may start. KFP never starts
+    train after a failed gate; this guards a verdict edited or produced by another path."""
+    if verdict.get("passed") is not True:
+        unhealthy = "; ".join(f"{n}: {', '.join(r)}" for n, r in verdict.get("unhealthy", {}).items())
+        raise PreflightNotPassed(f"preflight did not pass{': ' + unhealthy if unhealthy else ''}; not training")
+    return verdict
 
 
 def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> str:
@@ -70,6 +85,7 @@ def train_launch(
         "store": drop_none(as_plain_dict(store_cfg)),
         "dataset": dataset,
         "identity": identity,
+        "launch_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}",  # names this run's record
         "run_dir": str(run_dir),
         "checkpoint_dir": str(
             Path(train.checkpoint_dir).resolve() / identity if train.checkpoint_dir else run_dir / "checkpoints"
@@ -91,34 +107,19 @@ def run_train(
     identity, run_dir, launch = train_launch(str(data_manifest.ref), model, train, cluster, store_cfg)
     log.info("training identity %s: run directory %s", identity, run_dir)
     run_app(launch)
-    result = json.loads((run_dir / "result.json").read_text())
-    shutil.copyfile(run_dir / "metrics.jsonl", Path(result["export_dir"]) / "training_metrics.jsonl")
-    ckpt_ref = f"checkpoint/{model.name}@{result['checkpoint_version']}"
-    # the version names the weights too: a rerun that trains other weights (a code change,
-    # train.resume=never) publishes a new version instead of handing back the stored one
-    weights_digest = sha256_file(Path(result["export_dir"]) / "model.safetensors")[:12]
-    manifest = store.publish(
-        "model",
-        model.name,
-        f"{identity}-{weights_digest}",
-        Path(result["export_dir"]),
-        metadata={
-            "final_loss": result["final_loss"],
-            "probe_loss": result["probe_loss"],
-            "probe_blocks": result["probe_blocks"],
-            "steps": result["steps"],
-            "identity": identity,
-            "train": as_plain_dict(train),
-            "precision": result["precision"],
-            "float8_linear_count": result["float8_linear_count"],
-            "float8_linear_modules": result["float8_linear_modules"],
-            "float8_cast_configs": result["float8_cast_configs"],
-            "world": result["world"],
-            "wrapped_modules": result["wrapped_modules"],
-        },
-        parents=[str(data_manifest.ref), ckpt_ref],
+    # the store is the only channel back from the replicas: nothing is read from their disks
+    record = store.fetch(store.manifest(Ref("run", identity, launch.spec["launch_id"])))
+    result = json.loads((record / "result.json").read_text())
+    manifest = store.manifest(Ref.parse(result["model"]))
+    return TrainResult(
+        identity,
+        run_dir,
+        manifest,
+        result["final_loss"],
+        result["checkpoint_version"],
+        result,
+        record / "metrics.jsonl",
     )
-    return TrainResult(identity, run_dir, manifest, result["final_loss"], result["checkpoint_version"], result)
 
 
 def _kind_name_version(ref: str) -> tuple[str, str, str]:

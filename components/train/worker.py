@@ -13,7 +13,9 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +26,12 @@ import torch.nn.functional as F
 
 from components import checkpoint_format
 from components.blocks import load_stats, open_token_blocks
-from components.config import ModelConfig, StoreConfig, TrainConfig, group_from_dict
+from components.config import ModelConfig, StoreConfig, TrainConfig, as_plain_dict, group_from_dict
 from components.distributed import init_distributed
 from components.launcher import PLUGIN_ENV, worker_spec
 from components.precision import Recipe, recipe
 from components.precision.fp8 import float8_cast_configs, float8_modules
-from components.store import ArtifactStore, Ref, open_store
+from components.store import ArtifactStore, Ref, open_store, sha256_file
 from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.data import BlockSampler
@@ -366,7 +368,6 @@ def finish(job: Job, state: TrainState) -> dict | None:
         "skipped_steps": state.skipped,
         "checkpoint": final.name,
         "checkpoint_version": checkpoint_format.version_of(job.identity, final),
-        "export_dir": str(export_dir),
         "publish_errors": job.publisher.errors,
         "world": job.world,
         "precision": job.train.precision.value,
@@ -454,10 +455,37 @@ def main(argv: list[str] | None = None) -> int:
     result = finish(job, state)
     if result is not None:
         job.monitor.event("end", **result)
-        (Path(spec["run_dir"]) / "result.json").write_text(json.dumps(result, indent=2))
     job.monitor.close()
+    if result is not None:
+        hand_back(job, result)
     dist.destroy_process_group()
     return 0
+
+
+def hand_back(job: Job, result: dict) -> None:
+    """Rank 0 returns everything through the store, the one thing a driver pod shares with
+    the replicas: the model (Hugging Face export plus the training records), then the run's
+    record (`run/<identity>@<launch id>`: the result and metrics.jsonl) naming it."""
+    run_dir, export = Path(job.spec["run_dir"]), Path(job.spec["run_dir"]) / "export"
+    shutil.copyfile(run_dir / "metrics.jsonl", export / "training_metrics.jsonl")
+    # the version names the weights too: a rerun that trains other weights (a code change,
+    # train.resume=never) publishes a new version instead of handing back the stored one
+    digest = sha256_file(export / "model.safetensors")[:12]
+    keys = ("final_loss", "probe_loss", "probe_blocks", "steps", "precision", "float8_linear_count",
+            "float8_linear_modules", "float8_cast_configs", "world", "wrapped_modules")  # fmt: skip
+    model = job.store.publish(
+        "model",
+        job.model_cfg.name,
+        f"{job.identity}-{digest}",
+        export,
+        metadata={**{k: result[k] for k in keys}, "identity": job.identity, "train": as_plain_dict(job.train)},
+        parents=[job.spec["dataset"], f"checkpoint/{job.model_cfg.name}@{result['checkpoint_version']}"],
+    )
+    with tempfile.TemporaryDirectory() as staging:  # the record exists only in the store
+        record = Path(staging)
+        (record / "result.json").write_text(json.dumps({**result, "model": str(model.ref)}, indent=2))
+        shutil.copyfile(run_dir / "metrics.jsonl", record / "metrics.jsonl")
+        job.store.publish("run", job.identity, job.spec["launch_id"], record, parents=[str(model.ref)])
 
 
 if __name__ == "__main__":

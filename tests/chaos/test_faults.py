@@ -34,7 +34,7 @@ store_root, run_dir, dataset, *overrides = sys.argv[1:]
 cfg = OmegaConf.to_object(compose([f"train.run_dir={run_dir}", *overrides]))
 store_cfg = defaults("store", root=store_root, cache_dir=store_root + "-cache")
 result = run_train(dataset, cfg.model, cfg.train, cfg.cluster, store_cfg, open_store(store_cfg))
-print("RESULT", result.result["export_dir"])
+print("RESULT", open_store(store_cfg).fetch(result.model))
 """
 
 

@@ -50,7 +50,7 @@ def test_two_node_fp8_trains_float8_linears_and_learns_like_fp32(trainer):
     assert [p.name for p in ckpt.local_checkpoints(fp8.run_dir / "checkpoints")] == ["step-80", "step-40"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    export = Path(fp8.result["export_dir"])
+    export = fp8.export
     model = AutoModelForCausalLM.from_pretrained(str(export))
     tok = AutoTokenizer.from_pretrained(str(export))
     ids = torch.tensor([tok.encode("In the beginning")])
@@ -84,7 +84,7 @@ def ckpt_ref(version: str):
 
 
 def final_weights(run) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(run.result["export_dir"]) / "model.safetensors"))
+    return load_file(str(run.export / "model.safetensors"))
 
 
 @pytest.mark.parametrize(
@@ -286,7 +286,12 @@ def test_metrics_jsonl_has_the_monitoring_fields(trainer):
     }
     assert keys <= set(steps[0]) and 0 < steps[-1]["mfu"] < 1
     assert list((r.run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert json.loads((r.run_dir / "result.json").read_text())["steps"] == 6
+    # the driver's only channel back is the store: the run's record, fetched, not a file the
+    # replicas left on a disk the driver happens to share locally
+    assert not list(r.run_dir.rglob("result.json"))
+    record = trainer.store.resolve("run", r.identity, "latest")
+    assert json.loads((trainer.store.fetch(record) / "result.json").read_text())["steps"] == 6
+    assert record.parents == [str(r.model.ref)] and r.metrics.is_relative_to(trainer.store_cfg.cache_dir)
 
 
 def test_fsdp_trains_the_same_weights_as_ddp(trainer):

@@ -158,3 +158,14 @@ def test_step_line_averages_throughput_over_the_interval_and_omits_mfu_on_cpu():
     assert "2,500 tokens/s" in text and "MFU" not in text and "ETA 0:03:16" in text and "mem 1.00 GiB" in text
     gpu_like = StepLine(steps=10, interval=1, flops_per_token=1e6, peak=1.0, world=2, device=torch.device("cpu"))
     assert "MFU 50.0%" in gpu_like.add({**rec, "step": 1, "step_s": 1.0, "tokens_per_s": 1e6})
+
+
+def test_train_refuses_a_verdict_that_did_not_pass():
+    from components.train.stage import PreflightNotPassed, require_passing_verdict
+
+    ok = {"passed": True, "healthy": ["a#0"], "unhealthy": {}}
+    assert require_passing_verdict(ok) is ok
+    with pytest.raises(PreflightNotPassed, match="b#1: slow GEMM"):
+        require_passing_verdict({"passed": False, "healthy": ["a#0"], "unhealthy": {"b#1": ["slow GEMM"]}})
+    with pytest.raises(PreflightNotPassed):
+        require_passing_verdict({"healthy": ["a#0"]})  # no verdict at all is not a pass
