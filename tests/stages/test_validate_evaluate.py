@@ -104,6 +104,27 @@ def test_nan_weights_fail_the_forward_check(trained, tmp_path):
         run_validate("model/tiny@nan-weights", defaults("eval"), store)
 
 
+@pytest.mark.parametrize("change", ["finite", "nan"])
+def test_an_exported_weight_unlike_the_checkpoint_fails_the_export_check(trained, tmp_path, change):
+    """One element of one exported tensor changed (by 1e-3, or to NaN) in a republished model:
+    the exact DCP == export comparison names it; a NaN must not slip past it to the later checks."""
+    trainer, ref = trained
+    store = copy_store(trainer, tmp_path)
+    src = store.fetch(store.manifest(Ref.parse(ref)))
+    bad = tmp_path / "changed-model"
+    shutil.copytree(src, bad, ignore=shutil.ignore_patterns(".liftoff-verified"))
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    weight = tensors[name].clone()
+    weight.view(-1)[7] = weight.view(-1)[7] + 1e-3 if change == "finite" else float("nan")
+    tensors[name] = weight
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    manifest = store.manifest(Ref.parse(ref))
+    store.publish("model", "tiny", f"changed-{change}", bad, parents=manifest.parents, metadata=manifest.metadata)
+    with pytest.raises(ValidationFailed, match=rf"checkpoint .* and model .* weights differ in 1 tensor.*{name}"):
+        run_validate(f"model/tiny@changed-{change}", defaults("eval"), store)
+
+
 def test_model_dir_without_config_is_a_clear_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="no config.json"):
