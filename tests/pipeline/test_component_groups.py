@@ -1,0 +1,96 @@
+"""A group edited in the Kubeflow UI reaches each component as a plain dict (numbers as floats,
+as a protobuf Struct carries them); the component's own `checked_groups` call refuses an invalid
+one naming the key, before the stage runs. Called as the components' python functions: no
+pipeline, no store, no stage work."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from components.config import ConfigError, compose, group_dicts
+from components.evaluate.component import evaluate
+from components.tokenize.component import tokenize
+from components.validate.component import validate
+from tests.conftest import CORPUS
+
+
+@pytest.fixture(scope="module")
+def groups():
+    return group_dicts(compose([f"data.paths=[{CORPUS}]"]))
+
+
+def as_the_ui_sends(value):
+    """Every number a float, as a protobuf Struct carries it."""
+    if isinstance(value, dict):
+        return {k: as_the_ui_sends(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_the_ui_sends(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+@pytest.fixture
+def no_stage_work(monkeypatch):
+    """The stages and the store must not be reached: an unchecked group would get that far."""
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the stage ran with a group checked_groups should have refused")
+
+    for target in (
+        "components.store.open_store",
+        "components.validate.stage.run_validate",
+        "components.evaluate.stage.run_evaluate",
+        "components.tokenize.stage.run_tokenize",
+    ):
+        monkeypatch.setattr(target, reached)
+
+
+def artifact(tmp_path, name: str, ref: str | None = None) -> SimpleNamespace:
+    path = tmp_path / name
+    if ref is not None:
+        path.write_text(json.dumps({"ref": ref}))
+    return SimpleNamespace(path=str(path), metadata={})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [("loss_tolerance", 0, "eval.loss_tolerance: must be > 0, got 0"), ("val_blocks", "many", "eval.val_blocks")],
+)
+def test_validate_refuses_an_invalid_eval_group_naming_the_key(groups, tmp_path, no_stage_work, key, value, message):
+    eval_group = as_the_ui_sends({**groups["eval"], key: value})
+    with pytest.raises(ConfigError, match=message):
+        validate.python_func(
+            trained_model=artifact(tmp_path, "trained", "model/tiny@v1"),
+            eval=eval_group,
+            store=as_the_ui_sends(groups["store"]),
+            verdict=artifact(tmp_path, "verdict"),
+            validated_model=artifact(tmp_path, "validated"),
+        )
+
+
+def test_evaluate_refuses_an_invalid_eval_group_naming_the_key(groups, tmp_path, no_stage_work):
+    with pytest.raises(ConfigError, match="eval.batch_size: must be >= 1, got 0"):
+        evaluate.python_func(
+            validated_model=artifact(tmp_path, "validated", "model/tiny@v1"),
+            eval=as_the_ui_sends({**groups["eval"], "batch_size": 0}),
+            store=as_the_ui_sends(groups["store"]),
+            metrics=artifact(tmp_path, "metrics"),
+            report=artifact(tmp_path, "report"),
+        )
+
+
+def test_tokenize_refuses_an_invalid_data_group_naming_the_key(groups, tmp_path, no_stage_work):
+    """A cross-group rule too: blocks longer than the model's positions."""
+    too_long = groups["model"]["max_seq_len"] + 1
+    with pytest.raises(ConfigError, match=rf"data.seq_len: {too_long} exceeds model.max_seq_len="):
+        tokenize.python_func(
+            data=as_the_ui_sends({**groups["data"], "seq_len": too_long}),
+            tokenizer=as_the_ui_sends(groups["tokenizer"]),
+            model=as_the_ui_sends(groups["model"]),
+            store=as_the_ui_sends(groups["store"]),
+            dataset=artifact(tmp_path, "dataset"),
+        )
