@@ -25,11 +25,13 @@ class Recipe:
     name = "fp32"
     compute_dtype = "float32"  # torch dtype name: what activations, norms and attention compute in
     # Bytes saved for backward per token by one Llama block (transformers, SDPA), per unit of
-    # hidden size and of FFN size, and by the head per unit of hidden size; counted with
-    # saved_tensors_hooks (benchmarks/planner_accuracy.py). fp32: 10 hidden-sized and 4
-    # FFN-sized tensors per block; under bf16 autocast the residual stream and the RMSNorm
-    # internals stay fp32, the projections' inputs and the MLP are bf16.
-    act_bytes_per_hidden = 40.0
+    # hidden size, of key/value width (h·kv_heads/heads: SDPA's GQA keeps k and v at that width)
+    # and of FFN size, and by the head per unit of hidden size; counted with saved_tensors_hooks
+    # (benchmarks/planner_accuracy.py). fp32: 8 hidden-sized, 2 kv-sized (k, v) and 4 FFN-sized
+    # tensors per block; under bf16 autocast the residual stream and the RMSNorm internals stay
+    # fp32, the projections' inputs, k, v and the MLP are bf16.
+    act_bytes_per_hidden = 32.0
+    act_bytes_per_kv = 8.0
     act_bytes_per_ffn = 16.0
     head_bytes_per_hidden = 12.0
 

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 class BF16(Recipe):
     name = "bf16"
     compute_dtype = "bfloat16"
-    act_bytes_per_hidden = 34.0
+    act_bytes_per_hidden = 30.0
+    act_bytes_per_kv = 4.0
     act_bytes_per_ffn = 8.0
     head_bytes_per_hidden = 10.5
 

@@ -12,9 +12,8 @@ h = hidden, L = layers, a = heads):
   through the step) and of two blocks (computing + prefetched) exist at the compute dtype
   (fp8 all-gather: 1 B for the Float8Linear weights).
 - Gradients: fp32, 4 B/param. AdamW: two fp32 moments, 8 B/param, plus one fp32 `step`
-  scalar per parameter tensor. Mixed-precision references: fp16/bf16 weights 2 B/param;
-  fp32 master + two moments 12 B/param (7B: 14 GB of weights, 84 GB of optimizer state,
-  10.5 GB per rank over 8 ranks).
+  scalar per parameter tensor: fp32 master + two moments, 12 B/param (7B: 84 GB, 10.5 GB
+  per rank under FSDP over 8 ranks).
 - DDP replicates everything (gradients are views into its buckets, resident all the time);
   FSDP shards weights, gradients and optimizer state over W, but with gradient accumulation
   (sync off between micro-batches) FSDP2 holds unsharded fp32 gradients, 4 B/param more. On
@@ -22,12 +21,14 @@ h = hidden, L = layers, a = heads):
   activations are freed: the peak counts the larger of the two, not both.
 - Activations: what autograd saves for backward, per token (T = s·b tokens per micro-batch).
   A Llama block with SDPA (flash attention: no s x s scores, no dropout) saves
-  `act_bytes_per_hidden`·h + `act_bytes_per_ffn`·ffn + 4·a (log-sum-exp) + 8 bytes per token
-  (the recipe's coefficients, counted with saved_tensors_hooks: fp32 40·h + 16·ffn; bf16 and
-  fp8 34·h + 8·ffn, the residual stream and RMSNorm internals staying fp32). The head saves
-  4·V (fp32 log-softmax for the loss) + `head_bytes_per_hidden`·h + 36. With activation
-  checkpointing a checkpointed block keeps only its fp32 input (4·h per token), and one
-  block's full activations are live again while it is recomputed in backward.
+  `act_bytes_per_hidden`·h + `act_bytes_per_kv`·h·kv_heads/a + `act_bytes_per_ffn`·ffn +
+  4·a (log-sum-exp) + 8 bytes per token (the recipe's coefficients, counted with
+  saved_tensors_hooks: fp32 32·h + 8·h·kv_heads/a + 16·ffn; bf16 and fp8 30·h +
+  4·h·kv_heads/a + 8·ffn, the residual stream and RMSNorm internals staying fp32; k and v
+  are saved at their own width, SDPA running grouped-query attention without repeating
+  them). The head saves 4·V (fp32 log-softmax for the loss) + `head_bytes_per_hidden`·h +
+  36. With activation checkpointing a checkpointed block keeps only its fp32 input (4·h per
+  token), and one block's full activations are live again while it is recomputed in backward.
 - FLOPs per token: 6N + 12·L·a·(h/a)·s (PaLM's MFU accounting).
 - Step time: compute = FLOPs per device per step / achieved TFLOP/s of the compute dtype;
   communication = DDP all-reduce of 4N gradient bytes: 4N·2(W-1)/W / busbw, or FSDP
@@ -44,19 +45,6 @@ from components.config import ModelConfig, Parallelism, TrainConfig
 from components.precision import Recipe, fp8_eligible_dims, recipe
 
 GB = 1e9
-
-
-def weights_bytes(n_params: float, dtype: str) -> float:
-    return n_params * {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
-
-
-def adam_mixed_precision_bytes(n_params: float) -> float:
-    """fp32 master weights + two fp32 moments: 12 bytes per parameter."""
-    return n_params * 12
-
-
-def sharded(total: float, world: int) -> float:
-    return total / world
 
 
 def param_tensors(model: ModelConfig) -> list[tuple[str, int, bool]]:
@@ -141,8 +129,10 @@ def activation_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, recom
     checkpointing plus (if `recompute`) one block's activations live during its recompute."""
     precision = recipe(train.precision)
     h, f, a, L = model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_layers
+    kv = h // a * model.num_kv_heads  # the width of k and v
     tokens = seq_len * train.micro_batch_size
-    block = tokens * (precision.act_bytes_per_hidden * h + precision.act_bytes_per_ffn * f + 4 * a + 8)
+    per_token = precision.act_bytes_per_hidden * h + precision.act_bytes_per_kv * kv + precision.act_bytes_per_ffn * f
+    block = tokens * (per_token + 4 * a + 8)
     head = tokens * (4 * (model.vocab_size or 0) + precision.head_bytes_per_hidden * h + 36)
     if not train.activation_checkpointing:
         return L * block + head

@@ -7,17 +7,21 @@ import torch
 from omegaconf import OmegaConf
 
 from components.config import compose, defaults
-from components.preflight.plan import adam_mixed_precision_bytes, fits, plan, sharded, weights_bytes
+from components.preflight.plan import fits, plan
 from components.train.model import build_model
 from components.train.optim import build_optimizer
 from pipelines.cli import main
 
 
 def test_reference_figures_for_7b():
-    n = 7e9
-    assert weights_bytes(n, "fp16") == 14e9
-    assert adam_mixed_precision_bytes(n) == 84e9
-    assert sharded(adam_mixed_precision_bytes(n), 8) == 10.5e9
+    """fp32 master weights + two fp32 moments: 12 B/param, replicated under DDP, split over 8 under FSDP."""
+    cfg = OmegaConf.to_object(compose(["model=7b"]))
+    ddp = plan(cfg.model, defaults("train", parallelism="ddp"), world=8, seq_len=4096)
+    fsdp = plan(cfg.model, defaults("train", parallelism="fsdp"), world=8, seq_len=4096)
+    n, steps = ddp.params, 4 * ddp.param_tensors / 1e9  # AdamW's fp32 `step` per tensor
+    assert ddp.weights_gb == pytest.approx(4 * n / 1e9) and ddp.optimizer_gb == pytest.approx(8 * n / 1e9 + steps)
+    assert fsdp.weights_gb + fsdp.optimizer_gb == pytest.approx((12 * n / 1e9 + steps) / 8)
+    assert 80 < 12 * n / 1e9 < 82 and 10 < (fsdp.weights_gb + fsdp.optimizer_gb) < 10.5  # 6.74B parameters
 
 
 def test_seven_b_preset_has_seven_billion_parameters():
@@ -71,15 +75,17 @@ def test_fsdp_shards_and_ddp_replicates():
 @pytest.mark.parametrize("ac", [False, True])
 def test_planned_activations_match_what_autograd_saves(precision, ac):
     """The plan against an independent count: bytes of every tensor autograd saves for backward
-    in a real forward (saved_tensors_hooks), at another shape than the coefficients came from."""
+    in a real forward (saved_tensors_hooks), at another shape than the coefficients came from,
+    with fewer kv heads than heads (k and v narrower than h: without the kv term the plan
+    overshoots, 0.94-0.97 here)."""
     from benchmarks.planner_accuracy import measured_bytes, planned_bytes
 
     model = defaults(
-        "model", vocab_size=2048, hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=6, ffn_hidden_size=320
+        "model", vocab_size=2048, hidden_size=128, num_layers=3, num_heads=8, num_kv_heads=2, ffn_hidden_size=320
     )
     train = defaults("train", precision=precision, activation_checkpointing=ac, micro_batch_size=4)
     ratio = measured_bytes(model, train, seq_len=48) / planned_bytes(model, train, seq_len=48)
-    assert 0.9 <= ratio <= 1.1, ratio
+    assert 0.98 <= ratio <= 1.02, ratio
     full = plan(model, defaults("train", precision=precision, activation_checkpointing=False), 1, 48)
     checkpointed = plan(model, defaults("train", precision=precision, activation_checkpointing=True), 1, 48)
     assert checkpointed.activations_gb < full.activations_gb
