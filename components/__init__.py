@@ -1,5 +1,6 @@
 """liftoff's pipeline stages and the shared floor they stand on (config schema, store, ...)."""
 
-# The image a component declares; every task's image is set from `cluster.image` when the
-# pipeline is built (pipelines/pretrain.py), so this only names what `make images` builds.
-STAGE_IMAGE = "ghcr.io/liftoff/liftoff:latest"
+# The image a component declares: a placeholder. `on_cluster` in pipelines/pretrain.py sets
+# every task's image from `cluster.image` (conf/cluster/*.yaml, the one source), so this
+# name never reaches a pod.
+STAGE_IMAGE = "liftoff-stage:set-from-cluster.image"

@@ -15,6 +15,7 @@ from kfp import dsl, kubernetes
 
 # Aliased: the pipeline's parameters are named after the config groups (train, preflight, eval).
 from components.evaluate.component import evaluate as evaluate_op
+from components.k8s import STORE_SECRET_KEYS
 from components.preflight.component import preflight as preflight_op
 from components.tokenize.component import tokenize as tokenize_op
 from components.train.component import train as train_op
@@ -29,11 +30,7 @@ def on_cluster(task: dsl.PipelineTask, cfg: Any) -> dsl.PipelineTask:
     kubernetes.use_secret_as_env(
         task,
         secret_name=cfg.store.secret_name,
-        secret_key_to_env={
-            "accesskey": "MINIO_ACCESS_KEY",
-            "secretkey": "MINIO_SECRET_KEY",
-            "endpoint": "MINIO_ENDPOINT",
-        },
+        secret_key_to_env={key: env for env, key in STORE_SECRET_KEYS.items()},
     )
     kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory")
     return task  # no GPU placement: these pods drive TorchX jobs; the replicas get the GPUs

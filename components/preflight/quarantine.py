@@ -1,6 +1,6 @@
 """Keep training off unhealthy nodes: label and taint them through the Kubernetes API.
 
-Needs the RBAC in deploy/preflight-rbac.yaml (get/patch on nodes). Node names come from
+Needs the RBAC in deploy/rbac.yaml (get/patch on nodes). Node names come from
 the preflight replicas' NODE_NAME (the downward API's spec.nodeName), else their hostname.
 """
 
