@@ -2,9 +2,11 @@
 
 A finished checkpoint is a directory `step-N/`: DCP shards of model and optimizer, one
 `rank{r}.pt` per rank (RNG states, tensors only), `meta.json`, and `checkpoint.json` (the
-index) with the sha256 and size of every other file. `verify` is the only way in: every
-file matches its recorded hash, every path stays inside the directory, and the DCP
-`.metadata` pickle names nothing but the allowlisted classes.
+index) with the sha256 and size of every other file. Each rank writes its own files on its
+own node (`own_files`); the index lists every rank's, so a node's directory is complete only
+once the checkpoint is fetched back from the store, where the ranks' parts are joined.
+`verify` is the only way in: every file matches its recorded hash, every path stays inside
+the directory, and the DCP `.metadata` pickle names nothing but the allowlisted classes.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from components.store import InvalidKey, check_relpath, sha256_file
 
@@ -34,16 +39,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_index(ckpt: Path, meta: dict) -> None:
-    files = {}
-    for p in sorted(ckpt.rglob("*")):
-        if p.is_file() and p.name != INDEX:
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-            files[p.relative_to(ckpt).as_posix()] = {"sha256": sha256_file(p), "size": p.stat().st_size}
-    index = ckpt / INDEX
-    with open(index, "w") as f:
-        json.dump({"files": files, "meta": meta}, f, indent=2)
+def own_files(ckpt: Path, rank: int) -> list[str]:
+    """The files of a checkpoint that `rank` wrote: its DCP shards (`__<rank>_<i>.distcp`, DCP's
+    naming), its RNG state, and on rank 0 DCP's `.metadata` and `meta.json`."""
+    names = [p.name for p in ckpt.glob(f"__{rank}_*.distcp")] + [f"rank{rank}.pt"]
+    if rank == 0:
+        names += [".metadata", "meta.json"]
+    return sorted(n for n in names if (ckpt / n).is_file())
+
+
+def file_entries(ckpt: Path, names: list[str]) -> dict[str, dict]:
+    """sha256 and size of each file, fsynced first: what the index records."""
+    entries = {}
+    for name in names:
+        with open(ckpt / name, "rb") as f:
+            os.fsync(f.fileno())
+        entries[name] = {"sha256": sha256_file(ckpt / name), "size": (ckpt / name).stat().st_size}
+    return entries
+
+
+def index_bytes(files: dict[str, dict], meta: dict) -> bytes:
+    return json.dumps({"files": dict(sorted(files.items())), "meta": meta}, indent=2).encode()
+
+
+def write_index(ckpt: Path, data: bytes) -> None:
+    with open(ckpt / INDEX, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(ckpt)
@@ -123,14 +144,40 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata_safely(path: Path):
-    """The DCP metadata in `path`, or CheckpointError naming the file."""
+    """The DCP metadata in `path`, or CheckpointError naming the file: it must unpickle with the
+    allowlist into DCP's Metadata, and every shard file it names must be a plain relative path."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
         with open(path, "rb") as f:
-            return _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise TypeError(f"holds a {type(metadata).__name__}, not DCP's Metadata")
+        for info in (metadata.storage_data or {}).values():
+            check_relpath(info.relative_path)
+            if "/" in info.relative_path:
+                raise InvalidKey(f"shard path {info.relative_path!r} leaves the checkpoint directory")
+    except Exception as e:  # whatever a crafted pickle raises, it is refused with the file named
         raise CheckpointError(
             f"{path}: refusing to load checkpoint metadata ({e}); it may reference only DCP's own classes"
         ) from None
+    return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP stores non-tensor state (optimizer param groups) as pickled bytes and loads them with
+    `torch.load(weights_only=False)`, which runs any code a crafted shard holds: load them as
+    plain data only."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"refusing to load {read_item.dest_index.fqn} from the checkpoint ({e})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -146,3 +193,17 @@ def _finish_metadata(metadata, reader):
         metadata.storage_meta = StorageMeta()
     metadata.storage_meta.load_id = reader.load_id
     return metadata
+
+
+def load_state(state: dict, ckpt: Path, no_dist: bool = False) -> None:
+    """DCP load of a verified checkpoint into `state`, in place, unpickling nothing arbitrary."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as e:  # DCP wraps every rank's error (and derives from BaseException)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception): ", ln)]  # the ranks' own errors
+        cause = (errors or lines or [type(e).__name__])[-1]
+        raise CheckpointError(f"{ckpt}: {cause}") from None

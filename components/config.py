@@ -183,7 +183,9 @@ class PreflightConfig:
     gemm_size: int = MISSING
     gemm_iters: int = MISSING
     membw_mb: int = MISSING
+    membw_mb_gpu: int = MISSING
     allreduce_sizes_mb: list[float] = MISSING
+    allreduce_sizes_mb_gpu: list[float] = MISSING
     storage_probe_mb: int = MISSING
     zscore_threshold: float = MISSING
     floors: dict[str, float] = MISSING  # metric -> absolute minimum

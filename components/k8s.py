@@ -59,10 +59,13 @@ def namespace(configured: str | None) -> str:
     raise ValueError("cluster.namespace is null and this is not a pod: set cluster.namespace")
 
 
-def finish_job(resource: dict[str, Any], cluster, secret_name: str | None, job_name: str) -> dict[str, Any]:
+def finish_job(
+    resource: dict[str, Any], cluster, secret_name: str | None, job_name: str, exclude_nodes=()
+) -> dict[str, Any]:
     """What TorchX's generated Volcano job lacks, on every replica's pod: store credentials by
     `secretKeyRef` (never literal values: whoever can read vcjobs could read them), the GPU
-    node selector and toleration, the pull policy and pull secrets, and the job label."""
+    node selector and toleration, a node anti-affinity for the nodes preflight excluded, the
+    pull policy and pull secrets, and the job label."""
     from kubernetes.client import (
         V1EnvVar,
         V1EnvVarSource,
@@ -82,6 +85,8 @@ def finish_job(resource: dict[str, Any], cluster, secret_name: str | None, job_n
         spec.node_selector = {**(spec.node_selector or {}), **dict(cluster.node_selector)}
         if cluster.gpu > 0:
             spec.tolerations = [*(spec.tolerations or []), V1Toleration(**GPU_TOLERATION)]
+        if exclude_nodes:
+            spec.affinity = _away_from(sorted(exclude_nodes))
         if cluster.image_pull_secrets:
             spec.image_pull_secrets = [V1LocalObjectReference(name=n) for n in cluster.image_pull_secrets]
         for container in spec.containers:
@@ -96,6 +101,21 @@ def finish_job(resource: dict[str, Any], cluster, secret_name: str | None, job_n
                 ]
             container.env = env
     return resource
+
+
+def _away_from(nodes: list[str]):
+    """Required node affinity: not on these nodes (by `metadata.name`, the NODE_NAME preflight recorded)."""
+    from kubernetes.client import (
+        V1Affinity,
+        V1NodeAffinity,
+        V1NodeSelector,
+        V1NodeSelectorRequirement,
+        V1NodeSelectorTerm,
+    )
+
+    away = V1NodeSelectorRequirement(key="metadata.name", operator="NotIn", values=nodes)
+    terms = V1NodeSelector(node_selector_terms=[V1NodeSelectorTerm(match_fields=[away])])
+    return V1Affinity(node_affinity=V1NodeAffinity(required_during_scheduling_ignored_during_execution=terms))
 
 
 def as_plain(resource: dict[str, Any]) -> dict[str, Any]:

@@ -17,13 +17,14 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from components import k8s
+from components import k8s, local_pod
 from components.config import ClusterConfig, Scheduler
 
 log = logging.getLogger(__name__)
 # A module a worker imports when this is set in its environment and calls `install(...)` on:
 # how tests inject faults (a NaN, a dead or slow rank, a degraded node) into real runs.
 PLUGIN_ENV = "LIFTOFF_WORKER_PLUGIN"
+PLUGIN_ARGS_ENV = "LIFTOFF_WORKER_PLUGIN_ARGS"  # the plugin's own settings (which faults), as JSON
 
 
 class LaunchError(RuntimeError):
@@ -39,6 +40,8 @@ class Launch:
     cluster: ClusterConfig
     name: str
     log_dir: Path
+    nodes_dir: Path  # locally, replica i lives in nodes_dir/<i>/ (its cwd, HOME, TMPDIR): a pod's own disk
+    exclude_nodes: tuple[str, ...] = ()  # Kubernetes nodes the replicas must not run on (preflight's verdict)
 
     @property
     def store_secret(self) -> str | None:
@@ -87,8 +90,38 @@ def threads_per_process(cluster: ClusterConfig) -> int:
     return max(1, cluster.cpu // cluster.procs_per_node)
 
 
-def build_app(module: str, spec: dict, cluster: ClusterConfig, name: str, env: dict[str, str]):
+def replica_store(store_cfg, cluster: ClusterConfig) -> dict:
+    """The store group as the replicas get it. Locally the store directory stands in for
+    MinIO, reachable from every node at one absolute path, and each node caches in its own
+    directory (an absolute cache_dir would be a disk the nodes share)."""
+    from components.config import StoreBackend, as_plain_dict, drop_none
+
+    store = drop_none(as_plain_dict(store_cfg))
+    if cluster.scheduler == Scheduler.local_cwd:
+        if store_cfg.backend == StoreBackend.local:
+            store["root"] = str(Path(store_cfg.root).resolve())
+        store["cache_dir"] = "store-cache"
+    return store
+
+
+def plugin_env() -> dict[str, str]:
+    """A test's worker plugin (`tests/faults.py`), declared to the replicas like any other env:
+    its module, its settings and where it imports from. Empty in production."""
+    import importlib.util
+
+    name = os.environ.get(PLUGIN_ENV)
+    if not name:
+        return {}
+    found = importlib.util.find_spec(name.split(".")[0])
+    root = Path(next(iter(found.submodule_search_locations or [found.origin]))).parent
+    return {PLUGIN_ENV: name, PLUGIN_ARGS_ENV: os.environ.get(PLUGIN_ARGS_ENV, "{}"), "PYTHONPATH": str(root)}
+
+
+def build_app(module: str, spec: dict, cluster: ClusterConfig, name: str, env: dict[str, str], nodes_dir=None):
+    """The TorchX AppDef of a launch. Its replicas' environment is exactly what is declared
+    here, on Kubernetes as in the local simulation of a pod (`components/local_pod.py`)."""
     from torchx.components import dist
+    from torchx.specs import macros
 
     port = cluster.rdzv_port or free_port()
     app = dist.torchrun(
@@ -102,11 +135,19 @@ def build_app(module: str, spec: dict, cluster: ClusterConfig, name: str, env: d
         gpu=cluster.gpu,
         memMB=cluster.mem_mb,
         rdzv_port=port,
-        env={"OMP_NUM_THREADS": str(threads_per_process(cluster)), "LOGLEVEL": "WARNING", **env},
+        env={"OMP_NUM_THREADS": str(threads_per_process(cluster)), "LOGLEVEL": "WARNING", **plugin_env(), **env},
     )
     role = app.roles[0]
     if cluster.scheduler == Scheduler.local_cwd:
         role.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        role.env["NODE_NAME"] = f"{socket.gethostname()}-node{macros.replica_id}"  # one host, several "nodes"
+        if nodes_dir is not None:  # each replica in its own directory with only its declared environment
+            pod = ["-m", "components.local_pod", "--dir", f"{nodes_dir}/{macros.replica_id}"]
+            pod += ["--declared", ",".join(sorted(role.env))]
+            secret = Path(nodes_dir) / "secret.json"
+            pod += ["--secret", str(secret)] if secret.is_file() else []
+            role.args = [*pod, "--", role.entrypoint, *role.args]
+            role.entrypoint = sys.executable
     else:  # the Kubernetes node the pod runs on: what preflight records and quarantine patches
         role.env["NODE_NAME"] = k8s.NODE_NAME_FROM_POD
     return app
@@ -133,7 +174,7 @@ def kubernetes_job(
     runner = runner or get_runner()
     app = app or build_app(launch.module, launch.spec, launch.cluster, launch.name, env or {})
     info = runner.dryrun(app, "kubernetes", cfg=scheduler_cfg(launch.cluster, launch.log_dir, namespace))
-    k8s.finish_job(info.request.resource, launch.cluster, launch.store_secret, launch.name)
+    k8s.finish_job(info.request.resource, launch.cluster, launch.store_secret, launch.name, launch.exclude_nodes)
     return info
 
 
@@ -170,7 +211,10 @@ def run_once(launch: Launch, env: dict[str, str], tail_lines: int = 40) -> None:
     cluster = launch.cluster
     launch.log_dir.mkdir(parents=True, exist_ok=True)
     runner = get_runner()
-    app = build_app(launch.module, launch.spec, cluster, launch.name, env)
+    secret = None
+    if cluster.scheduler == Scheduler.local_cwd and launch.store_secret:  # what the Secret holds on a cluster
+        secret = local_pod.write_secret(launch.nodes_dir / "secret.json", local_pod.store_secret_values(os.environ))
+    app = build_app(launch.module, launch.spec, cluster, launch.name, env, launch.nodes_dir)
     try:
         if cluster.scheduler == Scheduler.kubernetes:
             namespace = k8s.namespace(cluster.namespace)
@@ -183,6 +227,8 @@ def run_once(launch: Launch, env: dict[str, str], tail_lines: int = 40) -> None:
             status, tails = _follow(runner, handle, launch, app.roles[0].name)
     finally:
         runner.close()
+        if secret is not None:
+            secret.unlink(missing_ok=True)
     _raise_unless_succeeded(launch.name, status, tails, tail_lines)
 
 

@@ -179,6 +179,7 @@ class Backend(Protocol):
     def get_file(self, key: str, dest: Path) -> None: ...
     def list_prefixes(self, prefix: str) -> list[str]: ...  # direct children "dirs" of prefix
     def list_manifests(self, prefix: str) -> dict[str, float]: ...  # version -> manifest mtime, one listing
+    def list_sizes(self, prefix: str) -> dict[str, int]: ...  # path under prefix -> size, every object
     def delete(self, key: str) -> None: ...
 
 
@@ -247,6 +248,16 @@ class LocalBackend:
             except (FileNotFoundError, NotADirectoryError):
                 continue
         return found
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        d = self._path(prefix)
+        if not d.is_dir():
+            return {}
+        return {
+            p.relative_to(d).as_posix(): p.stat().st_size
+            for p in d.rglob("*")
+            if p.is_file() and not p.name.startswith(".tmp-")
+        }
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
@@ -372,6 +383,15 @@ class MinioBackend:
 
         return self._retry(op, f"list {prefix}")
 
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        full = self._key(prefix) + "/"
+
+        def op() -> dict[str, int]:
+            objects = self.client.list_objects(self.bucket, prefix=full, recursive=True)
+            return {obj.object_name[len(full) :]: obj.size for obj in objects}
+
+        return self._retry(op, f"list {prefix}")
+
     def delete(self, key: str) -> None:
         self._retry(lambda: self.client.remove_object(self.bucket, self._key(key)), f"delete {key}")
 
@@ -429,31 +449,63 @@ class ArtifactStore:
         must also hold the same bytes: otherwise IntegrityError names both.
         """
         ref = Ref(kind, name, version)
+        files = _files_of(src)
+        if self.exists(ref):
+            ours = {rel: {"sha256": sha256_file(path)} for rel, path in files.items()} if same_content else None
+            return self._stored(ref, ours, str(src))
+        if MANIFEST in files:
+            raise InvalidKey(f"{src} contains a file named {MANIFEST}, which the store reserves")
+        return self.commit(ref, self.upload(ref, files), metadata, parents)
+
+    def _stored(self, ref: Ref, ours: dict | None, what: str) -> Manifest:
+        """The stored manifest of an existing version; with `ours`, it must hold those bytes."""
+        stored = self.manifest(ref)
+        if ours is not None:
+            theirs = {rel: entry["sha256"] for rel, entry in stored.files.items()}
+            mine = {rel: entry["sha256"] for rel, entry in ours.items()}
+            if mine != theirs:
+                differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+                raise IntegrityError(
+                    f"{ref} already exists in {self.description} with other content than {what} "
+                    f"(differing files: {', '.join(differ[:5])}); refusing to keep either silently"
+                )
+        log.info("%s already in the store; not published again", ref)
+        return stored
+
+    def upload(self, ref: Ref, files: dict[str, Path]) -> dict[str, dict]:
+        """Upload files into a version that is not visible yet; their manifest entries. Several
+        processes may each upload their share of one version (the ranks of a checkpoint)."""
+        entries = {}
+        for rel, path in files.items():
+            check_relpath(rel)
+            entries[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+            self.backend.put_file(f"{ref.prefix}/{rel}", path)
+        return entries
+
+    def commit(
+        self,
+        ref: Ref,
+        entries: dict[str, dict],
+        metadata: dict | None = None,
+        parents: list[str] | tuple[str, ...] = (),
+        same_content: bool = False,
+    ) -> Manifest:
+        """Make a version visible: write its manifest, once every listed file is in the store at
+        its recorded size (one listing). A missing part is an error naming it; nothing is written."""
         for p in parents:
             Ref.parse(p)
         if self.exists(ref):
-            stored = self.manifest(ref)
-            if same_content:
-                ours = {rel: sha256_file(path) for rel, path in _files_of(src).items()}
-                theirs = {rel: entry["sha256"] for rel, entry in stored.files.items()}
-                if ours != theirs:
-                    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-                    raise IntegrityError(
-                        f"{ref} already exists in {self.description} with other content than {src} "
-                        f"(differing files: {', '.join(differ[:5])}); refusing to keep either silently"
-                    )
-            log.info("%s already in the store; not published again", ref)
-            return stored
-        files = _files_of(src)
-        if MANIFEST in files:
-            raise InvalidKey(f"{src} contains a file named {MANIFEST}, which the store reserves")
-        entries = {}
-        for rel, path in files.items():
-            entries[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
-            self.backend.put_file(f"{ref.prefix}/{rel}", path)
+            return self._stored(ref, entries if same_content else None, "the files to commit")
+        present = self.backend.list_sizes(ref.prefix)
+        missing = sorted(rel for rel, e in entries.items() if present.get(check_relpath(rel)) != e["size"])
+        if missing:
+            raise IntegrityError(
+                f"{ref}: {len(missing)} file(s) not in {self.description} at their recorded size "
+                f"({', '.join(missing[:5])}); not publishing it"
+            )
         manifest = Manifest(
             ref,
-            entries,
+            dict(entries),
             dict(metadata or {}),
             list(parents),
             code_version(),
@@ -527,7 +579,7 @@ class ArtifactStore:
             if not (
                 target.is_file() and target.stat().st_size == entry["size"] and sha256_file(target) == entry["sha256"]
             ):
-                tmp = target.with_name(f".{target.name}.part")
+                tmp = target.with_name(f".{target.name}.{os.getpid()}.part")  # ranks of one node may fetch at once
                 self.backend.get_file(key, tmp)
                 got = sha256_file(tmp)
                 if got != entry["sha256"]:

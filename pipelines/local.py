@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from components.config import group_dicts
+from components.local_pod import TASK_ROOT_ENV
 from components.store import Ref, open_store
 
 LOCAL_ROOT = Path("local_outputs")
@@ -44,9 +46,10 @@ def run_local(cfg: DictConfig) -> dict:
     kfp.local.init(
         runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp"), enable_caching=True
     )
+    os.environ[TASK_ROOT_ENV] = str(root / "tasks")  # each task in its own directory, as in its own pod
     t0 = time.perf_counter()
     try:
-        task = build_pipeline(cfg)(**group_dicts(cfg))
+        task = build_pipeline(cfg)(**local_parameters(group_dicts(cfg)))
     except RuntimeError as e:
         raise RunFailed(f"the pipeline failed: {str(e).splitlines()[0]} (the stage's log is above)") from None
     eval_ref = task.output if isinstance(task.output, str) else task.outputs["Output"]
@@ -59,6 +62,17 @@ def run_local(cfg: DictConfig) -> dict:
         "seconds": time.perf_counter() - t0,
         "kfp_root": str(root / "kfp"),
     }
+
+
+def local_parameters(groups: dict[str, dict]) -> dict[str, dict]:
+    """The pipeline's parameters for a run on this machine: the paths that stand for shared
+    places (the local store standing in for MinIO, the run folders) made absolute, since every
+    task runs in a directory of its own."""
+    groups = {g: dict(values) for g, values in groups.items()}
+    if groups["store"]["backend"] == "local":
+        groups["store"]["root"] = str(Path(groups["store"]["root"]).resolve())
+    groups["train"]["run_dir"] = str(Path(groups["train"]["run_dir"]).resolve())
+    return groups
 
 
 def flatten_lineage(node: dict) -> list[str]:

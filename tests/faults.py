@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from components.launcher import PLUGIN_ENV
+from components.launcher import PLUGIN_ARGS_ENV, PLUGIN_ENV
 
-FAULTS_ENV = "LIFTOFF_FAULTS"
+FAULTS_ENV = PLUGIN_ARGS_ENV
 log = logging.getLogger("liftoff.faults")
 
 

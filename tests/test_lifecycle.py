@@ -19,8 +19,8 @@ from components.config import defaults
 from components.launcher import Launch, run_app
 cluster = defaults("cluster", nodes=2)
 out = Path(sys.argv[1])
-launch = Launch("tests.sleeper", {"pid_dir": str(out)}, cluster, "sleeper", out / "logs")
-run_app(launch)
+launch = Launch("tests.sleeper", {"pid_dir": str(out)}, cluster, "sleeper", out / "logs", out / "nodes")
+run_app(launch, {"PYTHONPATH": sys.argv[2]})  # the replicas' environment is only what is declared
 """
 
 
@@ -33,7 +33,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_to_the_driver_cancels_its_job(tmp_path):
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=ROOT)
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), str(ROOT)], cwd=ROOT)
     deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)

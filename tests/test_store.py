@@ -188,3 +188,25 @@ def test_cli_artifacts_ls_and_show_trace_lineage(tmp_path, capsys):
     assert main(["artifacts", "show", "model/m", *args]) == 0
     shown = capsys.readouterr().out
     assert '"version": "r1"' in shown and "    dataset/d@h1" in shown
+
+
+def test_a_version_uploaded_in_parts_is_visible_only_once_every_part_is_in(store, tmp_path):
+    """How the ranks of a checkpoint publish: each uploads its own files; the commit (the
+    manifest) names every rank's and is refused while any part is missing."""
+    from components.store import sha256_file
+
+    parts = {}
+    for rank in (0, 1):
+        path = tmp_path / f"__{rank}_0.distcp"
+        path.write_bytes(bytes([rank]) * 1000)
+        parts[path.name] = path
+    ref = Ref("checkpoint", "m", "step10-abc")
+    mine = store.upload(ref, {"__0_0.distcp": parts["__0_0.distcp"]})
+    theirs = {"__1_0.distcp": {"sha256": sha256_file(parts["__1_0.distcp"]), "size": 1000}}
+    with pytest.raises(IntegrityError, match="__1_0.distcp"):
+        store.commit(ref, {**mine, **theirs})
+    assert not store.exists(ref) and store.versions("checkpoint", "m") == []
+    store.upload(ref, {"__1_0.distcp": parts["__1_0.distcp"]})
+    manifest = store.commit(ref, {**mine, **theirs}, metadata={"step": 10})
+    out = store.fetch(manifest, tmp_path / "joined")
+    assert (out / "__1_0.distcp").read_bytes() == bytes([1]) * 1000 and (out / "__0_0.distcp").is_file()

@@ -22,6 +22,9 @@ def evaluate(
 
     started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from components.local_pod import enter_task_directory
+
+    enter_task_directory("evaluate")  # under `liftoff run`: a directory of its own, as its pod would have
     groups = checked_groups(eval=eval, store=store)  # a UI-edited group is checked like the CLI's
     model_ref = json.loads(Path(validated_model.path).read_text())["ref"]
     result = run_evaluate(model_ref, groups["eval"], open_store(groups["store"]))

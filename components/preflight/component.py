@@ -31,6 +31,9 @@ def preflight(
 
     started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from components.local_pod import enter_task_directory
+
+    enter_task_directory("preflight")  # under `liftoff run`: a directory of its own, as its pod would have
     g = checked_groups(model=model, train=train, preflight=preflight, cluster=cluster, store=store)  # as the CLI
     cfg, store_cfg = g["preflight"], g["store"]
     result = run_preflight(
@@ -55,5 +58,6 @@ def preflight(
     Path(report.path).write_text(report_markdown(result, cfg))
     gate(result, cfg)  # raises: no verdict, so train cannot start
     passed = {"passed": True, "dataset": dataset.metadata.get("ref"), "healthy": result.healthy}
-    Path(verdict.path).write_text(json.dumps({**passed, "unhealthy": result.unhealthy}, indent=2))
+    excluded = {"unhealthy": result.unhealthy, "excluded_hosts": result.excluded_hosts}  # train stays off these
+    Path(verdict.path).write_text(json.dumps({**passed, **excluded}, indent=2))
     verdict.metadata.update({"passed": True, "excluded_nodes": sorted(result.unhealthy)})

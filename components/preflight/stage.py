@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -20,9 +19,8 @@ from components.config import (
     StoreConfig,
     TrainConfig,
     as_plain_dict,
-    drop_none,
 )
-from components.launcher import Launch, run_app
+from components.launcher import Launch, replica_store, run_app
 from components.precision import recipe
 from components.preflight.plan import Plan, fits, format_plan, plan
 from components.preflight.verdict import NodeVerdict, judge
@@ -50,6 +48,11 @@ class PreflightResult:
     @property
     def unhealthy(self) -> dict[str, list[str]]:
         return {v.host + f"#{v.rank}": v.reasons for v in self.verdicts if not v.healthy}
+
+    @property
+    def excluded_hosts(self) -> list[str]:
+        """The Kubernetes nodes training must not run on: any of whose devices failed."""
+        return sorted({v.host for v in self.verdicts if not v.healthy})
 
 
 def plan_inputs(nodes: list[dict], precision: Precision) -> tuple[float, float | None]:
@@ -87,19 +90,20 @@ def report_markdown(result: PreflightResult, cfg: PreflightConfig) -> str:
 def preflight_launch(
     dataset: str | None, train: TrainConfig, cluster: ClusterConfig, cfg: PreflightConfig, store_cfg: StoreConfig
 ) -> Launch:
-    """The TorchX job that benchmarks every node: one replica per node, a fresh run id."""
+    """The TorchX job that benchmarks every node as training will use it: one replica per node,
+    one process per device, a fresh run id."""
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     spec = {
         "preflight": as_plain_dict(cfg),
-        "store": drop_none(as_plain_dict(store_cfg)),
+        "store": replica_store(store_cfg, cluster),
         "dataset": dataset,
         "name": f"{cluster.scheduler.value}-{cluster.nodes}n",
         "run_id": run_id,
-        "checkpoint_dir": str(Path(train.run_dir).resolve()),
+        "checkpoint_dir": train.checkpoint_dir or ".",  # the disk checkpoints land on, in the replica
     }
-    nodes_cluster = dataclasses.replace(cluster, procs_per_node=1)  # one replica per node
     log_dir = Path(train.run_dir).resolve() / "preflight" / run_id
-    return Launch("components.preflight.worker", spec, nodes_cluster, f"preflight-{run_id[-8:]}", log_dir)
+    name = f"preflight-{run_id[-8:]}"
+    return Launch("components.preflight.worker", spec, cluster, name, log_dir, log_dir / "nodes")
 
 
 def run_preflight(

@@ -46,13 +46,18 @@ def storage_probe(store, dataset: str | None, probe_mb: int, rank: int) -> dict:
     return out
 
 
-def measure_node(cfg: PreflightConfig, spec: dict, rank: int, device: torch.device, store) -> dict:
+def measure_device(cfg: PreflightConfig, spec: dict, rank: int, device: torch.device, store) -> dict:
+    """One process per device, as training runs: each measures its own GPU (or, locally, its
+    share of the CPU); the node's first process also measures the store."""
     m: dict = bench.host_facts(device, Path(spec["checkpoint_dir"]))
+    m.update(local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=str(device))
     for precision in RECIPES.values():
         if precision.supported(device):
             m[f"gemm_tflops_{precision.name}"] = bench.gemm_tflops(precision, cfg.gemm_size, cfg.gemm_iters, device)
-    m["membw_gbps"] = bench.memory_bandwidth_gbps(cfg.membw_mb, 5, device)
-    m.update(storage_probe(store, spec.get("dataset"), cfg.storage_probe_mb, rank))
+    gpu = device.type == "cuda"
+    m["membw_gbps"] = bench.memory_bandwidth_gbps(cfg.membw_mb_gpu if gpu else cfg.membw_mb, 5, device)
+    if m["local_rank"] == 0:
+        m.update(storage_probe(store, spec.get("dataset"), cfg.storage_probe_mb, rank))
     return m
 
 
@@ -63,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, device = init_distributed(timeout_s=300)
     if plugin := os.environ.get(PLUGIN_ENV):  # how tests inject a degraded node into a real run
         importlib.import_module(plugin).install_preflight(rank)
-    node = measure_node(cfg, spec, rank, device, store)
-    node.update(bench.allreduce_busbw(cfg.allreduce_sizes_mb, device))
+    node = measure_device(cfg, spec, rank, device, store)
+    sizes = cfg.allreduce_sizes_mb_gpu if device.type == "cuda" else cfg.allreduce_sizes_mb
+    node.update(bench.allreduce_busbw(sizes, device))
     node["rank"] = rank
     nodes = [None] * world
     dist.all_gather_object(nodes, node)

@@ -23,6 +23,9 @@ def tokenize(data: dict, tokenizer: dict, model: dict, store: dict, dataset: Out
 
     started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from components.local_pod import enter_task_directory
+
+    enter_task_directory("tokenize")  # under `liftoff run`: a directory of its own, as its pod would have
     g = checked_groups(data=data, tokenizer=tokenizer, model=model, store=store)  # UI edits checked like the CLI's
     result = run_tokenize(
         g["data"],

@@ -1,10 +1,11 @@
 """Atomic, verifiable, resumable checkpoints with torch.distributed.checkpoint (DCP).
 
-A checkpoint is written to `step-N.tmp/`: DCP shards of model and optimizer, one
+A checkpoint is written to `step-N.tmp/` on every node: DCP shards of model and optimizer, one
 `rank{r}.pt` per rank (RNG states, tensors only), `meta.json` (step, global samples consumed, loss,
-identity, model shape), then `checkpoint.json` with the sha256 of every file; the files are
-fsynced and the directory renamed to `step-N/`. Only a renamed directory whose
-checkpoint.json verifies is ever resumed from. Loading unpickles nothing but an allowlist.
+identity, model shape), then `checkpoint.json` with the sha256 of every rank's files; the files
+are fsynced and the directory renamed to `step-N/`. The store joins the nodes' parts into one
+version; only a directory whose checkpoint.json verifies (complete: every rank's files) is
+ever resumed from. Loading unpickles nothing but an allowlist.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,41 +27,58 @@ from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpoin
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from components.checkpoint_format import (
+    INDEX,
     CheckpointError,
-    SafeFileSystemReader,
+    file_entries,
     fsync_dir,
+    index_bytes,
+    load_state,
     local_checkpoints,
+    own_files,
+    version_of,
     write_index,
 )
+from components.store import ArtifactStore, Ref, StoreError
 
 log = logging.getLogger(__name__)
 
 
-class Checkpointer:
-    """Saves step-N checkpoints. Synchronous saves block until the checkpoint is indexed and
-    renamed. Asynchronous saves block only while DCP stages the state; once every rank's
-    writes are done, rank 0 indexes (hashes), renames and publishes in a background thread."""
+@dataclass
+class StoreTarget:
+    """Where finished checkpoints are published: checkpoint/<model name>@<version of_it>."""
 
-    def __init__(
-        self,
-        root: Path,
-        keep: int,
-        async_save: bool,
-        rank: int,
-        on_finished: Callable[[Path, dict], None] | None = None,
-    ):
-        self.root, self.keep, self.async_save, self.rank = root, keep, async_save, rank
-        self.on_finished = on_finished
+    store: ArtifactStore
+    model_name: str
+    identity: str
+    parents: list[str]
+
+
+class Checkpointer:
+    """Saves step-N checkpoints on every node and publishes them to the store, where the
+    ranks' parts are joined: no node ever sees another node's files.
+
+    A save: every rank writes its DCP shards into `step-N.tmp/` on its own disk; then every
+    rank hashes its own files, rank 0 joins the hashes into the index that every node writes,
+    and each node's first local rank renames the directory (`seal`). Then every rank uploads
+    its own files and rank 0 writes the version's manifest only once every rank's upload is in
+    and every indexed file is in the store at its size (`publish`, in the background).
+    Synchronous saves block until sealed; asynchronous ones only while DCP stages the state."""
+
+    def __init__(self, root: Path, keep: int, async_save: bool, rank: int, target: StoreTarget):
+        self.root, self.keep, self.async_save, self.rank, self.target = root, keep, async_save, rank, target
+        self.local_leader = int(os.environ.get("LOCAL_RANK", "0")) == 0  # renames and prunes this node's dirs
+        self.world = dist.get_world_size()
         self._pending: tuple | None = None  # (future, tmp dir, step, meta) of an async save
-        self._finalizer: threading.Thread | None = None
-        self._finalize_error: BaseException | None = None
+        self._background: threading.Thread | None = None
+        self._background_error: BaseException | None = None
+        self.publish_errors: list[str] = []  # reported at the end of training (rank 0); never kill it
         self._pg = dist.new_group(backend="gloo")  # saves run collectives off the training stream
         root.mkdir(parents=True, exist_ok=True)
 
     def save(self, step: int, model, optimizer, meta: dict, rank_state: dict) -> None:
         self.wait()
         tmp = self.root / f"step-{step}.tmp"
-        if self.rank == 0 and tmp.exists():
+        if self.local_leader and tmp.exists():
             shutil.rmtree(tmp)  # left by a process killed mid-save; never resumed from
         dist.barrier(group=self._pg)
         with self._no_partial(tmp, step):
@@ -74,10 +92,8 @@ class Checkpointer:
                 self._pending = (future, tmp, step, meta)
                 return
             dcp.save(state, storage_writer=writer, process_group=self._pg)
-            dist.barrier(group=self._pg)
-            if self.rank == 0:
-                self._finalize(tmp, step, meta)
-        dist.barrier(group=self._pg)
+            final = self._seal(tmp, step, meta)
+        self._in_background(self._publish, final, step, meta)
 
     @contextlib.contextmanager
     def _no_partial(self, tmp: Path, step: int):
@@ -102,60 +118,95 @@ class Checkpointer:
     def pending_done(self) -> bool:
         return self._pending is None or self._pending[0].done()
 
-    def finish_pending(self, all_ranks_done: bool = False) -> None:
-        """Complete an async save: wait for this rank's writes and, unless the step's
-        agreement already showed that every rank's are done, for the other ranks'; then rank 0
-        finalizes it in the background."""
+    def finish_pending(self) -> None:
+        """Complete an async save: wait for this rank's writes, then seal and publish it in the
+        background (sealing's collectives wait for the other ranks' writes)."""
         if self._pending is None:
             return
         future, tmp, step, meta = self._pending
         self._pending = None
         with self._no_partial(tmp, step):
             future.result()
-        if not all_ranks_done:
-            dist.barrier(group=self._pg)
-        if self.rank == 0:
-            self._finalizer = threading.Thread(
-                target=self._finalize_in_background, args=(tmp, step, meta), name=f"finalize-step-{step}"
-            )
-            self._finalizer.start()
+
+        def seal_and_publish() -> None:
+            with self._no_partial(tmp, step):
+                final = self._seal(tmp, step, meta)
+            self._publish(final, step, meta)
+
+        self._in_background(seal_and_publish)
 
     def wait(self) -> None:
-        """Every save started so far is on disk, indexed and renamed (or its error raised)."""
+        """Every save started so far is sealed and its publish finished (or its error raised)."""
         self.finish_pending()
-        if self._finalizer is not None:
-            self._finalizer.join()
-            self._finalizer = None
-        if self._finalize_error is not None:
-            error, self._finalize_error = self._finalize_error, None
+        if self._background is not None:
+            self._background.join()
+            self._background = None
+        if self._background_error is not None:
+            error, self._background_error = self._background_error, None
             raise error
 
-    def _finalize_in_background(self, tmp: Path, step: int, meta: dict) -> None:
-        try:
-            with self._no_partial(tmp, step):
-                self._finalize(tmp, step, meta)
-        except CheckpointError as e:
-            self._finalize_error = e
+    def _in_background(self, fn, *args) -> None:
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:  # raised on the training thread by the next wait()
+                self._background_error = e
 
-    def _finalize(self, tmp: Path, step: int, meta: dict) -> None:
-        """Rank 0, once every rank's files are written: index, fsync, rename, publish, prune."""
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        write_index(tmp, meta)
+        self._background = threading.Thread(target=run, name=f"checkpoint-{fn.__name__}", daemon=True)
+        self._background.start()
+
+    def _seal(self, tmp: Path, step: int, meta: dict) -> Path:
+        """Every rank, once its files are written: hash them, agree on the index (every rank's
+        files), write it on every node, rename. Collectives on the checkpoint group only."""
+        if self.rank == 0:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        mine = file_entries(tmp, own_files(tmp, self.rank))
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self._pg)
+        files = {name: entry for part in everyone for name, entry in part.items()}
+        index = [index_bytes(files, meta)]  # rank 0's bytes, so every node's index (and version) is identical
+        dist.broadcast_object_list(index, src=0, group=self._pg)
         final = self.root / f"step-{step}"
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(self.root)
-        log.info("checkpoint step-%d saved to %s", step, final)
-        if self.on_finished:
-            self.on_finished(final, meta)
+        if self.local_leader:
+            write_index(tmp, index[0])
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.root)
+        dist.barrier(group=self._pg)
+        log.info("checkpoint step-%d sealed in %s", step, final)
+        return final
+
+    def _publish(self, final: Path, step: int, meta: dict) -> None:
+        """Every rank uploads its own files; rank 0 makes the version visible once all are in."""
+        t = self.target
+        ref = Ref("checkpoint", t.model_name, version_of(t.identity, final))
+        mine = own_files(final, self.rank) + ([INDEX] if self.rank == 0 else [])
+        error = None
+        try:
+            if not t.store.exists(ref):
+                t.store.upload(ref, {name: final / name for name in mine})
+        except Exception as e:
+            error = f"rank {self.rank}: {e}"
+        errors: list = [None] * self.world
+        dist.all_gather_object(errors, error, group=self._pg)
+        if self.rank == 0:
+            failed = [e for e in errors if e]
+            try:
+                if failed:
+                    raise StoreError("; ".join(failed))
+                index = json.loads((final / INDEX).read_text())
+                entries = {**index["files"], **file_entries(final, [INDEX])}
+                t.store.commit(ref, entries, metadata=meta, parents=t.parents, same_content=True)
+            except Exception as e:
+                self.publish_errors.append(f"{final.name}: {e}")
+                log.warning("publishing checkpoint %s failed: %s", final.name, e)
         self.prune()
 
     def prune(self) -> None:
-        """Keep the newest `keep` checkpoints; one still being published waits for a later prune."""
-        busy = getattr(self.on_finished, "in_flight", set())
-        for old in local_checkpoints(self.root)[self.keep :]:
-            if old not in busy:
+        """Keep this node's newest `keep` checkpoints (the store keeps them all)."""
+        if self.local_leader:
+            for old in local_checkpoints(self.root)[self.keep :]:
                 shutil.rmtree(old, ignore_errors=True)
 
 
@@ -163,42 +214,9 @@ def load(ckpt: Path, model, optimizer, rank: int) -> dict:
     """Load a verified checkpoint into model and optimizer; returns its meta and this rank's state."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)))
+    load_state(state, ckpt)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = json.loads((ckpt / "meta.json").read_text())
     rank_file = ckpt / f"rank{rank}.pt"
     rank_state = torch.load(rank_file, weights_only=True) if rank_file.is_file() else {}
     return {"meta": meta, "rank_state": rank_state}
-
-
-class BackgroundPublisher:
-    """Publishes finished checkpoints to the store off the training thread, in order."""
-
-    def __init__(self, publish: Callable[[Path, dict], None]):
-        self._publish = publish
-        self._threads: list[threading.Thread] = []
-        self.in_flight: set[Path] = set()  # not pruned until published
-        self.errors: list[str] = []
-
-    def __call__(self, path: Path, meta: dict) -> None:
-        self.in_flight.add(path)
-        previous = self._threads[-1] if self._threads else None
-
-        def run() -> None:
-            if previous is not None:
-                previous.join()
-            try:
-                self._publish(path, meta)
-            except Exception as e:  # reported at the end of training, never kills it
-                self.errors.append(f"{path.name}: {e}")
-                log.warning("publishing checkpoint %s failed: %s", path.name, e)
-            finally:
-                self.in_flight.discard(path)
-
-        t = threading.Thread(target=run, name=f"publish-{path.name}", daemon=True)
-        t.start()
-        self._threads.append(t)
-
-    def join(self) -> None:
-        for t in self._threads:
-            t.join()

@@ -31,6 +31,9 @@ def train(
 
     started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from components.local_pod import enter_task_directory
+
+    enter_task_directory("train")  # under `liftoff run`: a directory of its own, as its pod would have
     verdict = require_passing_verdict(json.loads(Path(preflight_verdict.path).read_text()))
     g = checked_groups(model=model, train=train, cluster=cluster, store=store)  # UI edits checked like the CLI's
     store_cfg = g["store"]
@@ -41,6 +44,7 @@ def train(
         g["cluster"],
         store_cfg,
         open_store(store_cfg),
+        exclude_nodes=verdict.get("excluded_hosts", []),
     )
     print(f"liftoff-stage train compute_s={time.perf_counter() - started:.3f}", flush=True)
     ref = str(result.model.ref)

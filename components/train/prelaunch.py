@@ -64,4 +64,9 @@ def check_inputs(
         ref = Ref("checkpoint", model.name, train.resume)
         if not store.exists(ref):
             raise ResumeError(f"train.resume={train.resume}: no {ref} in {store.description}")
-        check_shape(store.manifest(ref).metadata, model, f"train.resume={train.resume}")
+        seed = store.manifest(ref).metadata
+        check_shape(seed, model, f"train.resume={train.resume}")
+        if isinstance(seed.get("step"), int) and seed["step"] > train.steps:
+            raise ResumeError(
+                f"train.resume={train.resume} is at step {seed['step']}, beyond train.steps={train.steps}"
+            )

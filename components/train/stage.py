@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_dict, drop_none
-from components.launcher import Launch, run_app
+from components.launcher import Launch, replica_store, run_app
 from components.store import ArtifactStore, Manifest, Ref
 from components.train.prelaunch import check_inputs
 
@@ -74,37 +74,43 @@ def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> s
 
 
 def train_launch(
-    dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store_cfg
+    dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store_cfg, exclude_nodes=()
 ) -> tuple[str, Path, Launch]:
     """(training identity, run directory, the TorchX job that trains it)."""
     identity = training_identity(dataset, model, train)
     run_dir = Path(train.run_dir).resolve() / identity
+    # paths inside a replica, relative to its own working directory (a pod's home; locally its
+    # node directory): no replica writes where the driver or another node could read it
+    ckpt_dir = Path(train.checkpoint_dir) if train.checkpoint_dir else Path("checkpoints")
     spec = {
         "train": as_plain_dict(train),
         "model": drop_none(as_plain_dict(model)),
-        "store": drop_none(as_plain_dict(store_cfg)),
+        "store": replica_store(store_cfg, cluster),
         "dataset": dataset,
         "identity": identity,
         "launch_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}",  # names this run's record
-        "run_dir": str(run_dir),
-        "checkpoint_dir": str(
-            Path(train.checkpoint_dir).resolve() / identity if train.checkpoint_dir else run_dir / "checkpoints"
-        ),
+        "run_dir": "run",
+        "checkpoint_dir": str(ckpt_dir / identity),
     }
-    return (
-        identity,
-        run_dir,
-        Launch("components.train.worker", spec, cluster, f"train-{identity[:8]}", run_dir / "logs"),
-    )
+    name = f"train-{identity[:8]}"
+    launch = Launch("components.train.worker", spec, cluster, name, run_dir / "logs", run_dir / "nodes", exclude_nodes)
+    return identity, run_dir, launch
 
 
 def run_train(
-    dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store_cfg, store: ArtifactStore
+    dataset: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    cluster: ClusterConfig,
+    store_cfg,
+    store: ArtifactStore,
+    exclude_nodes: list[str] | tuple[str, ...] = (),
 ) -> TrainResult:
+    """Train on the cluster's nodes except `exclude_nodes` (preflight's verdict)."""
     data_manifest = store.resolve(*_kind_name_version(dataset))
     data_dir = store.fetch(data_manifest)  # cached here, so local ranks find it verified
     check_inputs(data_dir, model, train, cluster, store)
-    identity, run_dir, launch = train_launch(str(data_manifest.ref), model, train, cluster, store_cfg)
+    identity, run_dir, launch = train_launch(str(data_manifest.ref), model, train, cluster, store_cfg, exclude_nodes)
     log.info("training identity %s: run directory %s", identity, run_dir)
     run_app(launch)
     # the store is the only channel back from the replicas: nothing is read from their disks

@@ -77,17 +77,17 @@ class Job:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
     checkpointer: ckpt.Checkpointer
-    publisher: ckpt.BackgroundPublisher | None
     monitor: Monitor
     watchdog: Watchdog
     tokens_per_step: int
     flops_per_token: float
     float8_modules: list[str]
     on_step: list = field(default_factory=list)  # callables(step), run as each step starts
+    forward_dtypes: dict = field(default_factory=dict)  # dtypes seen inside a forward (mixed precision's effect)
 
     @property
     def ckpt_root(self) -> Path:
-        return Path(self.spec["checkpoint_dir"])
+        return checkpoint_root(self.spec)
 
     @property
     def identity(self) -> str:
@@ -126,7 +126,7 @@ def build_job(spec: dict) -> Job:
     optimizer = build_optimizer(model, train)
     scaler = torch.amp.GradScaler(device.type) if train.loss_scaling else None
 
-    checkpointer, publisher = build_checkpointer(spec, train, store, model_cfg.name, rank)
+    checkpointer = build_checkpointer(spec, train, store, model_cfg.name, rank)
     monitor = Monitor(
         Path(spec["run_dir"]),
         rank,
@@ -154,7 +154,6 @@ def build_job(spec: dict) -> Job:
         optimizer=optimizer,
         scaler=scaler,
         checkpointer=checkpointer,
-        publisher=publisher,
         monitor=monitor,
         watchdog=watchdog,
         tokens_per_step=train.micro_batch_size * train.grad_accum_steps * world * seq_len,
@@ -163,39 +162,26 @@ def build_job(spec: dict) -> Job:
     )
 
 
-def build_checkpointer(
-    spec: dict, train: TrainConfig, store: ArtifactStore, model_name: str, rank: int
-) -> tuple[ckpt.Checkpointer, ckpt.BackgroundPublisher | None]:
-    """The checkpointer; on rank 0 also the background publisher that uploads each finished
-    checkpoint under a version naming its identity, step and content."""
-    publisher = None
-    if rank == 0:
+def checkpoint_root(spec: dict) -> Path:
+    """This node's checkpoint directory: relative paths land on the node's own disk; a volume
+    mounted on every node gets one subdirectory per node, so no two nodes write one place."""
+    return Path(spec["checkpoint_dir"]) / f"node{os.environ.get('GROUP_RANK', '0')}"
 
-        def publish(path: Path, meta: dict) -> None:
-            store.publish(
-                "checkpoint",
-                model_name,
-                checkpoint_format.version_of(spec["identity"], path),
-                path,
-                metadata=meta,
-                parents=[spec["dataset"]],
-                same_content=True,
-            )
 
-        publisher = ckpt.BackgroundPublisher(publish)
-    checkpointer = ckpt.Checkpointer(
-        Path(spec["checkpoint_dir"]), train.checkpoint_keep, train.checkpoint_async, rank, publisher
-    )
-    return checkpointer, publisher
+def build_checkpointer(spec: dict, train: TrainConfig, store: ArtifactStore, model_name: str, rank: int):
+    """The checkpointer: every rank saves on its own node and uploads its own part; versions
+    name the training identity, step and content."""
+    target = ckpt.StoreTarget(store, model_name, spec["identity"], [spec["dataset"]])
+    return ckpt.Checkpointer(checkpoint_root(spec), train.checkpoint_keep, train.checkpoint_async, rank, target)
 
 
 def resume(job: Job, state: TrainState) -> Path | None:
     """Load the checkpoint `train.resume` chooses into the job; returns its path. A named
     version seeds the first attempt only: a relaunch continues from the run's own newest."""
-    mode = job.train.resume
-    if mode not in ("auto", "never") and os.environ.get("LIFTOFF_ATTEMPT", "0") != "0":
-        mode = "auto"
-    path = find_resume_checkpoint(mode, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank)
+    relaunch = os.environ.get("LIFTOFF_ATTEMPT", "0") != "0"
+    path = find_resume_checkpoint(
+        job.train.resume, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, job.train.steps, relaunch
+    )
     if path is None:
         return None
     loaded = ckpt.load(path, job.model, job.optimizer, job.rank)
@@ -293,11 +279,13 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
     """Publish an async checkpoint every rank has finished; roll back after too many
     non-finite steps in a row; save on the interval and at the last step."""
     if job.checkpointer.has_pending and record["checkpoint_pending_ranks"] == 0:
-        job.checkpointer.finish_pending(all_ranks_done=True)  # on disk everywhere: index and publish it
+        job.checkpointer.finish_pending()  # on disk everywhere: seal and publish it
     if state.bad_in_row >= job.train.max_bad_steps:
         job.checkpointer.wait()
         # the same choice as resume: the newest checkpoint whose hashes verify, local or stored
-        target = find_resume_checkpoint("auto", job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank)
+        target = find_resume_checkpoint(
+            "auto", job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, state.step
+        )
         if target is None:
             raise RuntimeError(
                 f"{state.bad_in_row} non-finite steps in a row (train.max_bad_steps="
@@ -337,8 +325,17 @@ def probe_loss(job: Job) -> float | None:
     if n == 0:
         return None
     batch = torch.from_numpy(np.stack([val[i] for i in range(n)]).astype(np.int64)).to(job.device)
-    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        return float(micro_loss(job, batch))
+    norm = next(m for name, m in job.model.named_modules() if name.endswith("input_layernorm"))
+
+    def record(module, args) -> None:  # returns None: the forward's inputs stay as they are
+        job.forward_dtypes.setdefault("norm_weight", str(module.weight.dtype))
+
+    seen = norm.register_forward_pre_hook(record)
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            return float(micro_loss(job, batch))
+    finally:
+        seen.remove()
 
 
 def finish(job: Job, state: TrainState) -> dict | None:
@@ -357,9 +354,7 @@ def finish(job: Job, state: TrainState) -> dict | None:
     job.watchdog.stop()
     if job.rank != 0:
         return None
-    job.publisher.join()
-    job.checkpointer.prune()
-    final = checkpoint_format.local_checkpoints(job.ckpt_root)[0]
+    final = job.ckpt_root / f"step-{state.step}"  # the last step trains and saves; a resume at it loaded it
     return {
         "final_loss": state.last_loss,
         "probe_loss": probe,
@@ -368,13 +363,14 @@ def finish(job: Job, state: TrainState) -> dict | None:
         "skipped_steps": state.skipped,
         "checkpoint": final.name,
         "checkpoint_version": checkpoint_format.version_of(job.identity, final),
-        "publish_errors": job.publisher.errors,
+        "publish_errors": job.checkpointer.publish_errors,
         "world": job.world,
         "precision": job.train.precision.value,
         "float8_linear_count": len(job.float8_modules),
         "float8_linear_modules": job.float8_modules,
         "wrapped_modules": wrapped_modules(job.model),
         "float8_cast_configs": float8_cast_configs(job.model),
+        "forward_dtypes": job.forward_dtypes,  # e.g. a block norm's weight as the forward saw it
     }
 
 
@@ -403,9 +399,10 @@ def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
     kinds = {"fsdp": FSDPModule, "activation_checkpoint": CheckpointWrapper, "compiled": torch._dynamo.OptimizedModule}
     counts = {name: sum(isinstance(m, cls) for m in model.modules()) for name, cls in kinds.items()}
     # parameters FSDP all-gathers in fp8: their local shard is torchao's float8-cast weight
-    counts["fp8_all_gather_params"] = sum(
-        isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor) for p in model.parameters()
-    )
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    counts["fp8_all_gather_params"] = sum(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in local)
+    # scales precomputed for the next all-gather, one all-reduce for all weights (torchao's FSDP recipe)
+    counts["fp8_precomputed_scales"] = sum(getattr(t, "_precomputed_scale", None) is not None for t in local)
     return counts
 
 

@@ -42,13 +42,11 @@ def verify_files(local: Path, manifest: Manifest) -> int:
 
 def load_checkpoint_weights(ckpt_dir: Path, hf_model) -> dict[str, torch.Tensor]:
     """The model weights of a DCP checkpoint, read into a copy of the model's own state dict."""
-    import torch.distributed.checkpoint as dcp
-
-    from components.checkpoint_format import SafeFileSystemReader
+    from components.checkpoint_format import load_state
 
     state = {"model": {k: torch.empty_like(v) for k, v in hf_model.state_dict().items()}}
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt_dir)), no_dist=True)
+        load_state(state, ckpt_dir, no_dist=True)
     except Exception as e:
         raise ValidationFailed(f"{ckpt_dir}: the DCP checkpoint does not load into the model: {e}") from None
     return state["model"]

@@ -27,7 +27,7 @@ TRAIN = [f"data.paths=[{CORPUS}]", "train.steps=30", "train.checkpoint_interval=
 RUN_TRAIN = """
 import sys
 from omegaconf import OmegaConf
-from components.config import StoreConfig, compose
+from components.config import compose, defaults
 from components.store import open_store
 from components.train.stage import run_train
 store_root, run_dir, dataset, *overrides = sys.argv[1:]
@@ -81,7 +81,7 @@ def test_killed_launcher_rerun_resumes_from_the_store_to_identical_weights(datas
     weights = load_file(str(export_of(rerun) / "model.safetensors"))
     start = [
         json.loads(x)
-        for x in (next((tmp_path / "runs-2").iterdir()) / "metrics.jsonl").read_text().splitlines()
+        for x in (next((tmp_path / "runs-2").iterdir()) / "nodes/0/run/metrics.jsonl").read_text().splitlines()
         if '"kind": "start"' in x
     ][0]
     assert start["step"] == stored[-1]
@@ -165,7 +165,7 @@ def test_full_checkpoint_disk_fails_clearly_and_keeps_earlier_checkpoints(traine
         message = str(err.value)
         assert "could not be written to" in message and "MB free" in message
         assert "earlier checkpoints are intact" in message
-        root = next(disk.iterdir())
+        root = next(disk.iterdir()) / "node0"
         kept = ckpt.local_checkpoints(root)
         assert kept and all(ckpt.verify(c)["step"] == ckpt.step_of(c) for c in kept)
         assert not list(root.glob("*.tmp"))

@@ -284,10 +284,53 @@ def test_code_in_stored_checkpoint_metadata_never_runs(dataset_store, tmp_path, 
     again = trainer.run(*run)  # auto: the tampered checkpoint is skipped, naming the file
     out = capfd.readouterr().out
     assert again.result["steps"] == 4 and "skipping stored checkpoint" in out and ".metadata" in out
-    starts = [e for e in read_records(again.run_dir / "metrics.jsonl")[1] if e["kind"] == "start"]
+    starts = [e for e in read_records(again.metrics)[1] if e["kind"] == "start"]
     assert starts[-1]["step"] == 0  # trained afresh, never loaded the crafted metadata
     assert not marker.exists()
     rec.happened(
         f"{len(variants)} payloads (dotted names through {len(modules)} modules): validate, resume=<version> and "
         "resume=auto all refused naming .metadata; no command ran"
     )
+
+
+class _RunsACommand:
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_code_in_a_checkpoint_shards_bytes_items_never_runs(tmp_path, chaos):
+    """DCP keeps non-tensor state (optimizer param groups) as pickled bytes inside the shards and
+    loads them with torch.load(weights_only=False); a shard crafted to hold code (its .metadata
+    clean) must be refused where the train resume and validate load it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from components.checkpoint_format import CheckpointError, load_state
+    from components.validate.checks import ValidationFailed, load_checkpoint_weights
+
+    rec = chaos(
+        "checkpoint shard whose bytes items (optimizer state, a weight) hold a pickle that runs a command",
+        "refused on load naming the item; the command never runs",
+    )
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "crafted"
+    payload = _RunsACommand(f"touch {marker}")
+    dcp.save({"model": {"w": payload}, "optim": {"param_groups": payload}}, checkpoint_id=str(crafted), no_dist=True)
+
+    class Model:
+        def state_dict(self):
+            return {"w": torch.zeros(2)}
+
+    with pytest.raises(ValidationFailed, match="refusing to load model.w"):
+        load_checkpoint_weights(crafted, Model())
+    with pytest.raises(CheckpointError, match="refusing to load optim.param_groups"):
+        load_state({"optim": {"param_groups": []}}, crafted, no_dist=True)
+    assert not marker.exists()
+    # the payload is live: DCP's own loader runs it
+    dcp.load({"optim": {"param_groups": []}}, checkpoint_id=str(crafted), no_dist=True)
+    assert marker.exists()
+    rec.happened("a weight and the optimizer's param groups as code: both refused by SafeLoadPlanner; no command ran")
+

@@ -97,6 +97,50 @@ def test_rendered_pods_pass_the_kubernetes_schema(rendered, job):
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
 
 
+def test_preflight_runs_one_process_per_device_like_training():
+    import re
+
+    from omegaconf import OmegaConf
+
+    from components.config import compose
+    from components.launcher import kubernetes_job
+    from components.preflight.stage import preflight_launch
+    from components.train.stage import train_launch
+
+    cfg = OmegaConf.to_object(compose([*CLUSTER, "cluster.namespace=team-a", "cluster.procs_per_node=8"]))
+    _, _, train = train_launch("dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.store)
+    preflight = preflight_launch("dataset/d@v", cfg.train, cfg.cluster, cfg.preflight, cfg.store)
+
+    def nproc(launch) -> set[str]:
+        job = k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace="team-a").request.resource)
+        return {m for c in _containers(job) for m in re.findall(r"--nproc_per_node\s+(\d+)", " ".join(c["command"]))}
+
+    assert nproc(preflight) == nproc(train) == {"8"}
+
+
+def test_train_job_stays_off_the_nodes_preflight_excluded():
+    """The verdict's excluded hosts become a required node anti-affinity on every replica,
+    valid against the Volcano CRD and the Kubernetes schema."""
+    import kubernetes_validate
+    from omegaconf import OmegaConf
+
+    from components.config import compose
+    from components.launcher import kubernetes_job
+    from components.train.stage import train_launch
+
+    cfg = OmegaConf.to_object(compose([*CLUSTER, "cluster.namespace=team-a"]))
+    _, _, launch = train_launch("dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.store, ["gpu-node-7"])
+    job = k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace="team-a").request.resource)
+    assert not list(_volcano_validator().iter_errors(job))
+    for task in job["spec"]["tasks"]:
+        terms = task["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        away = terms["nodeSelectorTerms"][0]["matchFields"]
+        assert away == [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-node-7"]}]
+        pod = {"apiVersion": "v1", "kind": "Pod", **task["template"]}
+        pod["metadata"] = {"name": task["name"], **pod.get("metadata", {})}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
 def test_deploy_manifests_pass_the_kubernetes_schema():
     import kubernetes_validate
 
@@ -197,7 +241,12 @@ def test_every_kubernetes_call_a_cluster_run_makes_is_granted(tmp_path, monkeypa
         (tmp_path / "kubeconfig").write_text(api.kubeconfig())
         # where a kubeconfig is looked for ($KUBECONFIG is read once, when kubernetes is imported)
         monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))
-        run_once(Launch("components.train.worker", {"store": store}, cluster, "train-abc", tmp_path / "logs"), {})
+        run_once(
+            Launch(
+                "components.train.worker", {"store": store}, cluster, "train-abc", tmp_path / "logs", tmp_path / "nodes"
+            ),
+            {},
+        )
         quarantine = __import__("components.preflight.quarantine", fromlist=["quarantine_nodes"])
         from kubernetes import client, config
 

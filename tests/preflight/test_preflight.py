@@ -47,6 +47,18 @@ def test_two_node_preflight_measures_everything_and_passes(trainer):
     assert report.count("| healthy |") == 2 and "## Plan" in report and "total per device" in report
 
 
+def test_preflight_measures_every_process_as_training_runs_them(trainer):
+    """One process per device (procs_per_node), each measuring its own; the node's first
+    process also measures the store; a node with one bad device is excluded whole."""
+    cfg, result = preflight(trainer, "cluster.nodes=1", "cluster.procs_per_node=2")
+    assert [(n["rank"], n["local_rank"]) for n in result.nodes] == [(0, 0), (1, 1)]
+    assert all(n["gemm_tflops_fp32"] > 0 and n["device"] == "cpu" for n in result.nodes)
+    assert "storage_read_mbps" in result.nodes[0] and "storage_read_mbps" not in result.nodes[1]
+    assert result.nodes[0]["host"] == result.nodes[1]["host"] and result.excluded_hosts == []
+    result.verdicts[1].fail("a slow device")
+    assert result.excluded_hosts == [result.nodes[1]["host"]]
+
+
 def test_throttled_node_is_unhealthy_and_the_gate_stops_the_run(trainer):
     with injected(throttle_node=1):
         cfg, result = preflight(trainer, "preflight.min_healthy_nodes=2")

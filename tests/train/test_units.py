@@ -169,3 +169,19 @@ def test_train_refuses_a_verdict_that_did_not_pass():
         require_passing_verdict({"passed": False, "healthy": ["a#0"], "unhealthy": {"b#1": ["slow GEMM"]}})
     with pytest.raises(PreflightNotPassed):
         require_passing_verdict({"healthy": ["a#0"]})  # no verdict at all is not a pass
+
+
+def test_a_checkpoint_missing_another_ranks_shard_does_not_verify(tmp_path):
+    """What one node of a multi-node run holds on its own disk: its shards and the index of
+    every rank's; it is not a checkpoint until the other ranks' files are fetched."""
+    from components import checkpoint_format as ckpt
+
+    for rank in (0, 1):
+        (tmp_path / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 64)
+    names = ckpt.own_files(tmp_path, 0) + ckpt.own_files(tmp_path, 1)
+    assert names == ["__0_0.distcp", "__1_0.distcp"]
+    ckpt.write_index(tmp_path, ckpt.index_bytes(ckpt.file_entries(tmp_path, names), {"step": 10}))
+    assert ckpt.verify(tmp_path) == {"step": 10}
+    (tmp_path / "__1_0.distcp").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="__1_0.distcp: missing"):
+        ckpt.verify(tmp_path)
