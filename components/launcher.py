@@ -257,7 +257,9 @@ def _cancelled_unless_finished(runner, handle: str, name: str):
 
 def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40):
     """Stream every replica's log until the job ends; (final status, each replica's last lines).
-    A replica's stream is retried while the job runs: its pod may not exist yet."""
+    A replica's stream is retried while the job runs: its pod may not exist yet. A stream that
+    failed gets one last read after the job ended: a replica that crashed before its log could
+    be read has its log by then."""
 
     done = threading.Event()
     tails = {k: deque(maxlen=tail_lines * 10) for k in range(launch.cluster.nodes)}
@@ -265,6 +267,7 @@ def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40
     def stream(k: int) -> None:
         seen = 0  # a retried stream starts from the top again: skip what was printed
         while True:
+            last = done.is_set()  # a read that starts after the job ended is the last one
             try:
                 for i, line in enumerate(runner.log_lines(handle, role, k, should_tail=True)):
                     if i >= seen:
@@ -274,9 +277,10 @@ def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40
                         seen += 1
                 return
             except Exception as e:  # log streaming must never hide the job's own outcome
-                if done.wait(2.0):
+                if last:
                     tails[k].append(f"(log stream ended: {e})")
                     return
+                done.wait(2.0)
 
     streams = [threading.Thread(target=stream, args=(k,), daemon=True) for k in tails]
     for t in streams:

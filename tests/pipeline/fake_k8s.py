@@ -1,12 +1,19 @@
 """A loopback HTTP server answering the Kubernetes API calls a cluster run makes (Volcano
 jobs and their status, pods, pod logs, nodes), recording each one as the RBAC
-(apiGroup, resource, verb) it needs. A job completes after `running_polls` status reads."""
+(apiGroup, resource, verb) it needs. A job completes after `running_polls` status reads.
+
+Modes for the driver's lifecycle: `log_errors` are the codes the first pod-log reads of each
+replica answer (404 while its pod does not exist, 400 while its container is being created),
+and the job keeps running until every replica's have been answered; `fail_replica` ends the
+job Failed with that replica's task Failed and `FAIL_LINE` last in its log; `on_status_read(n)`
+is called on the n-th job status read (a test sends the driver a signal from it)."""
 
 from __future__ import annotations
 
 import json
 import re
 import threading
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
@@ -15,15 +22,29 @@ PATH = re.compile(
     r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>[^/]+))?$"
 )
 VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+FAIL_LINE = "RuntimeError: boom-sentinel"
 
 
 class FakeK8s:
-    def __init__(self, earlier_jobs: list[str] = (), running_polls: int = 2):
+    def __init__(
+        self,
+        earlier_jobs: list[str] = (),
+        running_polls: int = 2,
+        log_errors: Sequence[int] = (),
+        fail_replica: int | None = None,
+        on_status_read: Callable[[int], None] | None = None,
+    ):
         self.calls: list[tuple[str, str, str]] = []  # (group, resource[/sub], verb)
         self.jobs: dict[str, dict] = {name: {"metadata": {"name": name}} for name in earlier_jobs}
         self.deleted: list[str] = []
+        self.status_updates: list[tuple[str, dict]] = []  # (job name, body) of each jobs/status PUT
         self.status_reads = 0
         self.running_polls = running_polls
+        self.log_errors = tuple(log_errors)
+        self.log_reads: dict[int, list[int]] = {}  # replica -> the code each of its pod-log reads got
+        self.fail_replica = fail_replica
+        self.on_status_read = on_status_read
+        self.lock = threading.Lock()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -70,13 +91,35 @@ class FakeK8s:
         if resource == "jobs":
             return self._jobs(method, name, sub, body)
         if resource == "pods" and sub == "log":
-            return 200, None, "2026-12-01T00:00:00Z replica says hello\n"
+            return self._log(name)
         if resource == "pods":
             pod = {"metadata": {"name": name}, "spec": {"containers": [{"name": name.rsplit("-", 1)[0]}]}}
             return 200, {**pod, "status": {"phase": "Running", "podIP": "10.0.0.1"}}, None
         if resource == "nodes":
             return 200, {"metadata": {"name": name, "labels": {}}, "spec": {}}, None
         return 404, {"kind": "Status", "code": 404}, None
+
+    def _log(self, pod: str):
+        replica = int(pod.rsplit("-", 2)[1])  # TorchX names a replica's pod <job>-<role>-<k>-0
+        with self.lock:
+            reads = self.log_reads.setdefault(replica, [])
+            code = self.log_errors[len(reads)] if len(reads) < len(self.log_errors) else 200
+            reads.append(code)
+        if code != 200:
+            why = "NotFound" if code == 404 else "BadRequest"
+            return code, {"kind": "Status", "status": "Failure", "reason": why, "code": code}, None
+        text = "2026-12-01T00:00:00Z replica says hello\n"
+        if replica == self.fail_replica:
+            text += 'Traceback (most recent call last):\n  File "worker.py", line 1, in <module>\n' + FAIL_LINE + "\n"
+        return 200, None, text
+
+    def _logs_pending(self) -> bool:
+        with self.lock:
+            return any(len(self.log_reads.get(k, ())) < len(self.log_errors) for k in self._replicas())
+
+    def _replicas(self) -> list[int]:
+        created = [job for job in self.jobs.values() if "spec" in job]
+        return [int(t["name"].rpartition("-")[2]) for job in created for t in job["spec"]["tasks"]]
 
     def _jobs(self, method: str, name: str | None, sub: str | None, body: bytes):
         if method == "POST":
@@ -90,16 +133,35 @@ class FakeK8s:
         if name is None:
             return 200, {"items": list(self.jobs.values())}, None
         job = self.jobs[name]
+        if sub == "status" and method == "PUT":
+            update = json.loads(body)
+            self.status_updates.append((name, update))
+            job["status"] = update.get("status", {})
+            return 200, {**job}, None
         if sub == "status" and method == "GET":
-            self.status_reads += 1
-            done = self.status_reads > self.running_polls
-            tasks = {t["name"]: {"phase": {"Succeeded" if done else "Running": 1}} for t in job["spec"]["tasks"]}
-            return (
-                200,
-                {**job, "status": {"state": {"phase": "Completed" if done else "Running"}, "taskStatusCount": tasks}},
-                None,
-            )
+            with self.lock:
+                self.status_reads += 1
+                n = self.status_reads
+            if self.on_status_read:
+                self.on_status_read(n)
+            return 200, {**job, "status": self._status(job, n)}, None
         return 200, job, None
+
+    def _status(self, job: dict, reads: int) -> dict:
+        if job.get("status", {}).get("state", {}).get("phase") == "Aborted":  # cancelled
+            return job["status"]
+        done = reads > self.running_polls and not self._logs_pending()
+        tasks = {}
+        for t in job["spec"]["tasks"]:
+            k = int(t["name"].rpartition("-")[2])
+            tasks[t["name"]] = {
+                "phase": {"Running" if not done else "Failed" if k == self.fail_replica else "Succeeded": 1}
+            }
+        failed = self.fail_replica is not None
+        return {
+            "state": {"phase": "Running" if not done else "Failed" if failed else "Completed"},
+            "taskStatusCount": tasks,
+        }
 
     def __enter__(self):
         self.thread.start()

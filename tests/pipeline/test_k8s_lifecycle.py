@@ -19,3 +19,42 @@ def test_namespace_is_the_configured_one_else_the_pods_own(tmp_path, monkeypatch
     mounted.write_text("team-a\n")
     assert k8s.namespace(None) == "team-a"
     assert k8s.namespace("kubeflow") == "kubeflow"
+
+
+@pytest.fixture
+def launch_on(tmp_path, monkeypatch):
+    """A 2-node train Launch on the kubernetes scheduler, with the kubeconfig pointed at `api`."""
+    from components.config import Scheduler, defaults
+    from components.launcher import Launch
+
+    def launch(api) -> Launch:
+        (tmp_path / "kubeconfig").write_text(api.kubeconfig())
+        # where a kubeconfig is looked for ($KUBECONFIG is read once, when kubernetes is imported)
+        monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))
+        cluster = defaults(
+            "cluster",
+            scheduler=Scheduler.kubernetes,
+            nodes=2,
+            namespace="team-a",
+            image="registry.example.com/liftoff:1",
+        )
+        store = {"backend": "minio", "secret_name": "liftoff-minio"}
+        return Launch("components.train.worker", {"store": store}, cluster, "train-abc", tmp_path / "logs")
+
+    return launch
+
+
+def test_a_replica_that_crashed_before_its_log_could_be_read_still_names_its_error(launch_on):
+    """Finding 8: every live read of replica 1's log fails (404: no pod yet, 400: container
+    creating) and the job has ended Failed by the time the log exists; the driver's last read
+    after the job ended still gets the replica's own exception into the LaunchError."""
+    from components.launcher import LaunchError, run_once
+    from tests.pipeline.fake_k8s import FAIL_LINE, FakeK8s
+
+    with FakeK8s(running_polls=0, log_errors=(404, 400), fail_replica=1) as api:
+        with pytest.raises(LaunchError) as failed:
+            run_once(launch_on(api), {})
+    message = str(failed.value)
+    assert "ended FAILED; replica 1 failed" in message
+    assert FAIL_LINE in message, message
+    assert api.log_reads[1][:2] == [404, 400] and len(api.log_reads[1]) > 2, api.log_reads
