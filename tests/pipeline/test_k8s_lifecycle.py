@@ -4,6 +4,9 @@ driver (finding 9), and where the namespace comes from."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from components import k8s
@@ -58,3 +61,33 @@ def test_a_replica_that_crashed_before_its_log_could_be_read_still_names_its_err
     assert "ended FAILED; replica 1 failed" in message
     assert FAIL_LINE in message, message
     assert api.log_reads[1][:2] == [404, 400] and len(api.log_reads[1]) > 2, api.log_reads
+
+
+@pytest.mark.parametrize(
+    "signum, stopped_by",
+    [(signal.SIGTERM, SystemExit), (signal.SIGINT, KeyboardInterrupt)],
+    ids=["sigterm", "exception"],
+)
+def test_a_driver_stopped_while_it_follows_the_job_cancels_the_vcjob(launch_on, signum, stopped_by):
+    """Finding 9: the driver pod is stopped with SIGTERM (KFP cancel, eviction), or anything
+    raises in it, while the job runs; TorchX's cancel marks the vcjob Aborted (a jobs/status
+    update) before the driver exits, so the job does not hold the GPUs on its own. The job
+    would otherwise succeed a few polls later and nothing would be cancelled."""
+    from components.launcher import run_once
+    from tests.pipeline.fake_k8s import FakeK8s
+
+    def stop(reads: int) -> None:
+        if reads == 2:  # the job exists and the driver is following it
+            os.kill(os.getpid(), signum)
+
+    # SIGTERM's default would end pytest; a driver without its own handler ignores it here
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        with FakeK8s(running_polls=6, on_status_read=stop) as api:
+            with pytest.raises(stopped_by):
+                run_once(launch_on(api), {})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (created,) = api.jobs
+    assert [(name, body["status"]["state"]["phase"]) for name, body in api.status_updates] == [(created, "Aborted")]
+    assert ("batch.volcano.sh", "jobs/status", "update") in api.calls
