@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import signal
 import socket
 import sys
 import threading
+import typing
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +33,41 @@ class LaunchError(RuntimeError):
     pass
 
 
+class WorkerSpec:
+    """Base of what a stage tells the workers it launches: a dataclass whose fields are plain
+    JSON values or config groups. Encoded once, here, into the worker's command line."""
+
+    def to_json(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict):
+        from components.config import group_from_dict
+
+        hints = typing.get_type_hints(cls)
+        groups = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+        return cls(**{k: group_from_dict(hints[k], v) if k in groups else v for k, v in data.items()})
+
+    def encode(self) -> str:
+        return base64.urlsafe_b64encode(json.dumps(self.to_json()).encode()).decode()
+
+    @classmethod
+    def decode(cls, text: str):
+        return cls.from_json(json.loads(base64.urlsafe_b64decode(text.encode()).decode()))
+
+
+def _plain(value):
+    from components.config import as_plain_dict, drop_none
+
+    return drop_none(as_plain_dict(value)) if dataclasses.is_dataclass(value) else value
+
+
 @dataclass
 class Launch:
     """One TorchX job a stage launches: the worker module and its spec, where, under what name."""
 
     module: str
-    spec: dict
+    spec: WorkerSpec
     cluster: ClusterConfig
     name: str
     log_dir: Path
@@ -46,8 +77,8 @@ class Launch:
     @property
     def store_secret(self) -> str | None:
         """The Secret the replicas read the store's keys from (MinIO only)."""
-        store = self.spec.get("store", {})
-        return store.get("secret_name") if store.get("backend") == "minio" else None
+        store = getattr(self.spec, "store", None)
+        return store.secret_name if store is not None and store.backend.value == "minio" else None
 
 
 def free_port() -> int:
@@ -56,24 +87,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def decode_spec(text: str) -> dict:
-    return json.loads(base64.urlsafe_b64decode(text.encode()).decode())
-
-
-def encode_spec(spec: dict) -> str:
-    return base64.urlsafe_b64encode(json.dumps(spec).encode()).decode()
-
-
-def worker_spec(argv: list[str] | None) -> dict:
-    """The start of every launched worker: its spec from `--spec-b64`, log lines that name the
-    rank, and the thread count the launcher chose for this host."""
+def worker_spec(argv: list[str] | None, spec_type: type[WorkerSpec]):
+    """The start of every launched worker: its typed spec from `--spec-b64`, log lines that name
+    the rank, and the thread count the launcher chose for this host."""
     import argparse
 
     import torch
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec-b64", required=True)
-    spec = decode_spec(parser.parse_args(argv).spec_b64)
+    spec = spec_type.decode(parser.parse_args(argv).spec_b64)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
@@ -90,18 +113,16 @@ def threads_per_process(cluster: ClusterConfig) -> int:
     return max(1, cluster.cpu // cluster.procs_per_node)
 
 
-def replica_store(store_cfg, cluster: ClusterConfig) -> dict:
+def replica_store(store_cfg, cluster: ClusterConfig):
     """The store group as the replicas get it. Locally the store directory stands in for
     MinIO, reachable from every node at one absolute path, and each node caches in its own
     directory (an absolute cache_dir would be a disk the nodes share)."""
-    from components.config import StoreBackend, as_plain_dict, drop_none
+    from components.config import StoreBackend
 
-    store = drop_none(as_plain_dict(store_cfg))
-    if cluster.scheduler == Scheduler.local_cwd:
-        if store_cfg.backend == StoreBackend.local:
-            store["root"] = str(Path(store_cfg.root).resolve())
-        store["cache_dir"] = "store-cache"
-    return store
+    if cluster.scheduler != Scheduler.local_cwd:
+        return store_cfg
+    root = str(Path(store_cfg.root).resolve()) if store_cfg.backend == StoreBackend.local else store_cfg.root
+    return dataclasses.replace(store_cfg, root=root, cache_dir="store-cache")
 
 
 def plugin_env() -> dict[str, str]:
@@ -117,7 +138,7 @@ def plugin_env() -> dict[str, str]:
     return {PLUGIN_ENV: name, PLUGIN_ARGS_ENV: os.environ.get(PLUGIN_ARGS_ENV, "{}"), "PYTHONPATH": str(root)}
 
 
-def build_app(module: str, spec: dict, cluster: ClusterConfig, name: str, env: dict[str, str], nodes_dir=None):
+def build_app(module: str, spec: WorkerSpec, cluster: ClusterConfig, name: str, env: dict[str, str], nodes_dir=None):
     """The TorchX AppDef of a launch. Its replicas' environment is exactly what is declared
     here, on Kubernetes as in the local simulation of a pod (`components/local_pod.py`)."""
     from torchx.components import dist
@@ -126,7 +147,7 @@ def build_app(module: str, spec: dict, cluster: ClusterConfig, name: str, env: d
     port = cluster.rdzv_port or free_port()
     app = dist.torchrun(
         "--spec-b64",
-        encode_spec(spec),
+        spec.encode(),
         m=module,
         name=name,
         image=cluster.image,

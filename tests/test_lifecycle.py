@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 from components.config import defaults
 from components.launcher import Launch, run_app
+from tests.sleeper import SleeperSpec
 cluster = defaults("cluster", nodes=2)
 out = Path(sys.argv[1])
-launch = Launch("tests.sleeper", {"pid_dir": str(out)}, cluster, "sleeper", out / "logs", out / "nodes")
+launch = Launch("tests.sleeper", SleeperSpec(str(out)), cluster, "sleeper", out / "logs", out / "nodes")
 run_app(launch, {"PYTHONPATH": sys.argv[2]})  # the replicas' environment is only what is declared
 """
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from components.config import defaults
+from components.config import StoreBackend, defaults
 from components.launcher import Launch, LaunchError, run_app
 from tests.conftest import ROOT, S3_ACCESS_KEY, S3_SECRET_KEY, Trainer
 from tests.faults import injected
+from tests.pod_probe import ProbeSpec
 
 TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
 
@@ -27,8 +28,8 @@ def test_each_node_has_its_own_directory_and_only_its_declared_environment(tmp_p
     monkeypatch.setenv("LIFTOFF_DRIVER_ONLY_SENTINEL", "leaked")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "driver-file").write_text("on the driver's disk")
-    store = {"backend": "minio", "secret_name": "liftoff-minio"}
-    spec = {"store": store, "driver_file": "driver-file"}  # relative: a path on the driver's disk
+    store = defaults("store", backend=StoreBackend.minio, root="", secret_name="liftoff-minio")
+    spec = ProbeSpec(store, driver_file="driver-file")  # relative: a path on the driver's disk
     cluster = defaults("cluster", nodes=2)
     run_app(
         Launch("tests.pod_probe", spec, cluster, "probe", tmp_path / "logs", tmp_path / "nodes"),
@@ -48,7 +49,7 @@ def test_each_node_has_its_own_directory_and_only_its_declared_environment(tmp_p
 
 
 def test_without_a_minio_secret_no_store_key_reaches_a_node(tmp_path, s3_env):
-    spec = {"store": {"backend": "local"}, "driver_file": str(tmp_path / "nothing")}
+    spec = ProbeSpec(defaults("store"), driver_file=str(tmp_path / "nothing"))
     run_app(
         Launch("tests.pod_probe", spec, defaults("cluster"), "probe", tmp_path / "logs", tmp_path / "nodes"),
         {"PYTHONPATH": str(ROOT)},

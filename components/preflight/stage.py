@@ -18,11 +18,11 @@ from components.config import (
     Scheduler,
     StoreConfig,
     TrainConfig,
-    as_plain_dict,
 )
 from components.launcher import Launch, replica_store, run_app
 from components.precision import recipe
 from components.preflight.plan import Plan, fits, format_plan, plan
+from components.preflight.spec import PreflightSpec
 from components.preflight.verdict import NodeVerdict, judge
 from components.store import ArtifactStore, Ref
 
@@ -93,14 +93,14 @@ def preflight_launch(
     """The TorchX job that benchmarks every node as training will use it: one replica per node,
     one process per device, a fresh run id."""
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    spec = {
-        "preflight": as_plain_dict(cfg),
-        "store": replica_store(store_cfg, cluster),
-        "dataset": dataset,
-        "name": f"{cluster.scheduler.value}-{cluster.nodes}n",
-        "run_id": run_id,
-        "checkpoint_dir": train.checkpoint_dir or ".",  # the disk checkpoints land on, in the replica
-    }
+    spec = PreflightSpec(
+        preflight=cfg,
+        store=replica_store(store_cfg, cluster),
+        dataset=dataset,
+        name=f"{cluster.scheduler.value}-{cluster.nodes}n",
+        run_id=run_id,
+        checkpoint_dir=train.checkpoint_dir or ".",  # the disk checkpoints land on, in the replica
+    )
     log_dir = Path(train.run_dir).resolve() / "preflight" / run_id
     name = f"preflight-{run_id[-8:]}"
     return Launch("components.preflight.worker", spec, cluster, name, log_dir, log_dir / "nodes")
@@ -117,9 +117,9 @@ def run_preflight(
 ) -> PreflightResult:
     t0 = time.perf_counter()
     launch = preflight_launch(dataset, train, cluster, cfg, store_cfg)
-    spec, run_id = launch.spec, launch.spec["run_id"]
+    spec = launch.spec
     run_app(launch)
-    published = store.fetch(store.manifest(Ref("preflight", spec["name"], run_id)))
+    published = store.fetch(store.manifest(Ref("preflight", spec.name, spec.run_id)))
     nodes = json.loads((published / "nodes.json").read_text())
     verdicts = judge(nodes, cfg)
     healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes

@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from components.config import PreflightConfig, StoreConfig, group_from_dict
+from components.config import PreflightConfig
 from components.distributed import init_distributed
 from components.launcher import PLUGIN_ENV, worker_spec
 from components.precision import RECIPES
 from components.preflight import bench
+from components.preflight.spec import PreflightSpec
 from components.store import Ref, open_store
 
 
@@ -46,10 +47,10 @@ def storage_probe(store, dataset: str | None, probe_mb: int, rank: int) -> dict:
     return out
 
 
-def measure_device(cfg: PreflightConfig, spec: dict, rank: int, device: torch.device, store) -> dict:
+def measure_device(cfg: PreflightConfig, spec: PreflightSpec, rank: int, device: torch.device, store) -> dict:
     """One process per device, as training runs: each measures its own GPU (or, locally, its
     share of the CPU); the node's first process also measures the store."""
-    m: dict = bench.host_facts(device, Path(spec["checkpoint_dir"]))
+    m: dict = bench.host_facts(device, Path(spec.checkpoint_dir))
     m.update(local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=str(device))
     for precision in RECIPES.values():
         if precision.supported(device):
@@ -57,14 +58,14 @@ def measure_device(cfg: PreflightConfig, spec: dict, rank: int, device: torch.de
     gpu = device.type == "cuda"
     m["membw_gbps"] = bench.memory_bandwidth_gbps(cfg.membw_mb_gpu if gpu else cfg.membw_mb, 5, device)
     if m["local_rank"] == 0:
-        m.update(storage_probe(store, spec.get("dataset"), cfg.storage_probe_mb, rank))
+        m.update(storage_probe(store, spec.dataset, cfg.storage_probe_mb, rank))
     return m
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = worker_spec(argv)
-    cfg = group_from_dict(PreflightConfig, spec["preflight"])
-    store = open_store(group_from_dict(StoreConfig, spec["store"]))
+    spec = worker_spec(argv, PreflightSpec)
+    cfg = spec.preflight
+    store = open_store(spec.store)
     rank, world, device = init_distributed(timeout_s=300)
     if plugin := os.environ.get(PLUGIN_ENV):  # how tests inject a degraded node into a real run
         importlib.import_module(plugin).install_preflight(rank)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "nodes.json").write_text(json.dumps(nodes, indent=2))
-            store.publish("preflight", spec["name"], spec["run_id"], Path(tmp))
+            store.publish("preflight", spec.name, spec.run_id, Path(tmp))
     dist.destroy_process_group()
     return 0
 

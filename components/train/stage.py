@@ -14,6 +14,7 @@ from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_
 from components.launcher import Launch, replica_store, run_app
 from components.store import ArtifactStore, Manifest, Ref
 from components.train.prelaunch import check_inputs
+from components.train.spec import TrainSpec, WorkerResult
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class TrainResult:
     model: Manifest
     final_loss: float
     checkpoint_version: str
-    result: dict
+    result: WorkerResult
     metrics: Path  # the run's metrics.jsonl, as fetched from the store
 
 
@@ -82,16 +83,16 @@ def train_launch(
     # paths inside a replica, relative to its own working directory (a pod's home; locally its
     # node directory): no replica writes where the driver or another node could read it
     ckpt_dir = Path(train.checkpoint_dir) if train.checkpoint_dir else Path("checkpoints")
-    spec = {
-        "train": as_plain_dict(train),
-        "model": drop_none(as_plain_dict(model)),
-        "store": replica_store(store_cfg, cluster),
-        "dataset": dataset,
-        "identity": identity,
-        "launch_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}",  # names this run's record
-        "run_dir": "run",
-        "checkpoint_dir": str(ckpt_dir / identity),
-    }
+    spec = TrainSpec(
+        train=train,
+        model=model,
+        store=replica_store(store_cfg, cluster),
+        dataset=dataset,
+        identity=identity,
+        launch_id=f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}",
+        run_dir="run",
+        checkpoint_dir=str(ckpt_dir / identity),
+    )
     name = f"train-{identity[:8]}"
     launch = Launch("components.train.worker", spec, cluster, name, run_dir / "logs", run_dir / "nodes", exclude_nodes)
     return identity, run_dir, launch
@@ -108,21 +109,21 @@ def run_train(
 ) -> TrainResult:
     """Train on the cluster's nodes except `exclude_nodes` (preflight's verdict)."""
     data_manifest = store.resolve(*_kind_name_version(dataset))
-    data_dir = store.fetch(data_manifest)  # cached here, so local ranks find it verified
+    data_dir = store.fetch(data_manifest)  # the checks before launch read its stats and tokenizer
     check_inputs(data_dir, model, train, cluster, store)
     identity, run_dir, launch = train_launch(str(data_manifest.ref), model, train, cluster, store_cfg, exclude_nodes)
     log.info("training identity %s: run directory %s", identity, run_dir)
     run_app(launch)
     # the store is the only channel back from the replicas: nothing is read from their disks
-    record = store.fetch(store.manifest(Ref("run", identity, launch.spec["launch_id"])))
-    result = json.loads((record / "result.json").read_text())
-    manifest = store.manifest(Ref.parse(result["model"]))
+    record = store.fetch(store.manifest(Ref("run", identity, launch.spec.launch_id)))
+    result = WorkerResult.from_json(json.loads((record / "result.json").read_text()))
+    manifest = store.manifest(Ref.parse(result.model))
     return TrainResult(
         identity,
         run_dir,
         manifest,
-        result["final_loss"],
-        result["checkpoint_version"],
+        result.final_loss,
+        result.checkpoint_version,
         result,
         record / "metrics.jsonl",
     )

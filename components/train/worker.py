@@ -8,6 +8,7 @@ screen: micro-batches forward/backward, all ranks agree on the loss, then clip a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from components import checkpoint_format
 from components.blocks import load_stats, open_token_blocks
-from components.config import ModelConfig, StoreConfig, TrainConfig, as_plain_dict, group_from_dict
+from components.config import ModelConfig, TrainConfig, as_plain_dict, drop_none
 from components.distributed import init_distributed
 from components.launcher import PLUGIN_ENV, worker_spec
 from components.precision import Recipe, recipe
@@ -42,6 +43,7 @@ from components.train.nonfinite import clean_name, first_nonfinite_module
 from components.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
 from components.train.parallel import apply_compile, gradient_sync, wrap
 from components.train.resume import find_resume_checkpoint
+from components.train.spec import TrainSpec, WorkerResult
 
 log = logging.getLogger("liftoff.train")
 
@@ -61,7 +63,7 @@ class TrainState:
 class Job:
     """Everything set up once per process; the loop reads it."""
 
-    spec: dict
+    spec: TrainSpec
     train: TrainConfig
     model_cfg: ModelConfig
     store: ArtifactStore
@@ -91,22 +93,21 @@ class Job:
 
     @property
     def identity(self) -> str:
-        return self.spec["identity"]
+        return self.spec.identity
 
 
-def build_job(spec: dict) -> Job:
+def build_job(spec: TrainSpec) -> Job:
     """Data, model (fp8 convert -> activation checkpointing -> compile -> FSDP/DDP, as
     torchtitan orders them), optimizer, checkpointer and monitor."""
-    train = group_from_dict(TrainConfig, spec["train"])
-    model_cfg = group_from_dict(ModelConfig, spec["model"])
-    store = open_store(group_from_dict(StoreConfig, spec["store"]))
+    train, model_cfg = spec.train, spec.model
+    store = open_store(spec.store)
     watchdog = Watchdog(train.watchdog_timeout_s)
     watchdog.start()
     rank, world, device = init_distributed(timeout_s=max(60.0, train.watchdog_timeout_s * 2))
     precision = recipe(train.precision)
     precision.check_device(device)
 
-    data_dir = store.fetch(store.manifest(Ref.parse(spec["dataset"])))
+    data_dir = store.fetch(store.manifest(Ref.parse(spec.dataset)))
     blocks = open_token_blocks(data_dir, "train")
     vocab = load_stats(data_dir)["vocab_size"]
     sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, world, rank, train.seed)
@@ -128,7 +129,7 @@ def build_job(spec: dict) -> Job:
 
     checkpointer = build_checkpointer(spec, train, store, model_cfg.name, rank)
     monitor = Monitor(
-        Path(spec["run_dir"]),
+        Path(spec.run_dir),
         rank,
         world,
         train.loss_spike_factor,
@@ -162,16 +163,16 @@ def build_job(spec: dict) -> Job:
     )
 
 
-def checkpoint_root(spec: dict) -> Path:
+def checkpoint_root(spec: TrainSpec) -> Path:
     """This node's checkpoint directory: relative paths land on the node's own disk; a volume
     mounted on every node gets one subdirectory per node, so no two nodes write one place."""
-    return Path(spec["checkpoint_dir"]) / f"node{os.environ.get('GROUP_RANK', '0')}"
+    return Path(spec.checkpoint_dir) / f"node{os.environ.get('GROUP_RANK', '0')}"
 
 
-def build_checkpointer(spec: dict, train: TrainConfig, store: ArtifactStore, model_name: str, rank: int):
+def build_checkpointer(spec: TrainSpec, train: TrainConfig, store: ArtifactStore, model_name: str, rank: int):
     """The checkpointer: every rank saves on its own node and uploads its own part; versions
     name the training identity, step and content."""
-    target = ckpt.StoreTarget(store, model_name, spec["identity"], [spec["dataset"]])
+    target = ckpt.StoreTarget(store, model_name, spec.identity, [spec.dataset])
     return ckpt.Checkpointer(checkpoint_root(spec), train.checkpoint_keep, train.checkpoint_async, rank, target)
 
 
@@ -302,9 +303,9 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
             "loss": state.last_loss,
             "skipped_steps": state.skipped,
             "identity": job.identity,
-            "model": job.spec["model"],
+            "model": drop_none(as_plain_dict(job.model_cfg)),
             "world": job.world,
-            "dataset": job.spec["dataset"],
+            "dataset": job.spec.dataset,
         }
         if job.scaler is not None:
             meta["scaler_scale"] = job.scaler.get_scale()
@@ -338,11 +339,11 @@ def probe_loss(job: Job) -> float | None:
         seen.remove()
 
 
-def finish(job: Job, state: TrainState) -> dict | None:
+def finish(job: Job, state: TrainState) -> WorkerResult | None:
     """Wait for the last checkpoint, export the model, write the run's result (rank 0)."""
     job.checkpointer.wait()
     probe = probe_loss(job)
-    export_dir = Path(job.spec["run_dir"]) / "export"
+    export_dir = Path(job.spec.run_dir) / "export"
     export_hf(
         job.model,
         job.model_cfg,
@@ -355,23 +356,23 @@ def finish(job: Job, state: TrainState) -> dict | None:
     if job.rank != 0:
         return None
     final = job.ckpt_root / f"step-{state.step}"  # the last step trains and saves; a resume at it loaded it
-    return {
-        "final_loss": state.last_loss,
-        "probe_loss": probe,
-        "probe_blocks": PROBE_BLOCKS,
-        "steps": job.train.steps,
-        "skipped_steps": state.skipped,
-        "checkpoint": final.name,
-        "checkpoint_version": checkpoint_format.version_of(job.identity, final),
-        "publish_errors": job.checkpointer.publish_errors,
-        "world": job.world,
-        "precision": job.train.precision.value,
-        "float8_linear_count": len(job.float8_modules),
-        "float8_linear_modules": job.float8_modules,
-        "wrapped_modules": wrapped_modules(job.model),
-        "float8_cast_configs": float8_cast_configs(job.model),
-        "forward_dtypes": job.forward_dtypes,  # e.g. a block norm's weight as the forward saw it
-    }
+    return WorkerResult(
+        final_loss=state.last_loss,
+        probe_loss=probe,
+        probe_blocks=PROBE_BLOCKS,
+        steps=job.train.steps,
+        skipped_steps=state.skipped,
+        checkpoint=final.name,
+        checkpoint_version=checkpoint_format.version_of(job.identity, final),
+        publish_errors=job.checkpointer.publish_errors,
+        world=job.world,
+        precision=job.train.precision.value,
+        float8_linear_count=len(job.float8_modules),
+        float8_linear_modules=job.float8_modules,
+        wrapped_modules=wrapped_modules(job.model),
+        float8_cast_configs=float8_cast_configs(job.model),
+        forward_dtypes=job.forward_dtypes,  # e.g. a block norm's weight as the forward saw it
+    )
 
 
 def describe(job: Job) -> str:
@@ -413,8 +414,7 @@ def install_plugin(job: Job, state: TrainState) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = worker_spec(argv)
-    job = build_job(spec)
+    job = build_job(worker_spec(argv, TrainSpec))
     state = TrainState()
     install_plugin(job, state)
     resumed_from = resume(job, state)
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_or_rollback(job, state, record)
     result = finish(job, state)
     if result is not None:
-        job.monitor.event("end", **result)
+        job.monitor.event("end", **result.to_json())
     job.monitor.close()
     if result is not None:
         hand_back(job, result)
@@ -459,11 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def hand_back(job: Job, result: dict) -> None:
+def hand_back(job: Job, result: WorkerResult) -> None:
     """Rank 0 returns everything through the store, the one thing a driver pod shares with
     the replicas: the model (Hugging Face export plus the training records), then the run's
     record (`run/<identity>@<launch id>`: the result and metrics.jsonl) naming it."""
-    run_dir, export = Path(job.spec["run_dir"]), Path(job.spec["run_dir"]) / "export"
+    run_dir, export = Path(job.spec.run_dir), Path(job.spec.run_dir) / "export"
     shutil.copyfile(run_dir / "metrics.jsonl", export / "training_metrics.jsonl")
     # the version names the weights too: a rerun that trains other weights (a code change,
     # train.resume=never) publishes a new version instead of handing back the stored one
@@ -475,14 +475,15 @@ def hand_back(job: Job, result: dict) -> None:
         job.model_cfg.name,
         f"{job.identity}-{digest}",
         export,
-        metadata={**{k: result[k] for k in keys}, "identity": job.identity, "train": as_plain_dict(job.train)},
-        parents=[job.spec["dataset"], f"checkpoint/{job.model_cfg.name}@{result['checkpoint_version']}"],
+        metadata={**{k: getattr(result, k) for k in keys}, "identity": job.identity, "train": as_plain_dict(job.train)},
+        parents=[job.spec.dataset, f"checkpoint/{job.model_cfg.name}@{result.checkpoint_version}"],
     )
     with tempfile.TemporaryDirectory() as staging:  # the record exists only in the store
         record = Path(staging)
-        (record / "result.json").write_text(json.dumps({**result, "model": str(model.ref)}, indent=2))
+        handed = dataclasses.replace(result, model=str(model.ref))
+        (record / "result.json").write_text(json.dumps(handed.to_json(), indent=2))
         shutil.copyfile(run_dir / "metrics.jsonl", record / "metrics.jsonl")
-        job.store.publish("run", job.identity, job.spec["launch_id"], record, parents=[str(model.ref)])
+        job.store.publish("run", job.identity, job.spec.launch_id, record, parents=[str(model.ref)])
 
 
 if __name__ == "__main__":

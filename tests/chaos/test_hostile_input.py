@@ -283,7 +283,7 @@ def test_code_in_stored_checkpoint_metadata_never_runs(dataset_store, tmp_path, 
         trainer.run(*run, f"train.resume={trained.checkpoint_version}")
     again = trainer.run(*run)  # auto: the tampered checkpoint is skipped, naming the file
     out = capfd.readouterr().out
-    assert again.result["steps"] == 4 and "skipping stored checkpoint" in out and ".metadata" in out
+    assert again.result.steps == 4 and "skipping stored checkpoint" in out and ".metadata" in out
     starts = [e for e in read_records(again.metrics)[1] if e["kind"] == "start"]
     assert starts[-1]["step"] == 0  # trained afresh, never loaded the crafted metadata
     assert not marker.exists()
@@ -333,4 +333,3 @@ def test_code_in_a_checkpoint_shards_bytes_items_never_runs(tmp_path, chaos):
     dcp.load({"optim": {"param_groups": []}}, checkpoint_id=str(crafted), no_dist=True)
     assert marker.exists()
     rec.happened("a weight and the optimizer's param groups as code: both refused by SafeLoadPlanner; no command ran")
-

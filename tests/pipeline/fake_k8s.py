@@ -170,3 +170,18 @@ class FakeK8s:
     def __exit__(self, *exc):
         self.server.shutdown()
         self.server.server_close()
+
+
+def train_launch_on(cluster, tmp_path):
+    """A real train job's Launch (store=minio, so its replicas read the store Secret), named
+    train-abc: what the driver submits, against this fake."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from components.config import compose
+    from components.train.stage import train_launch
+
+    cfg = OmegaConf.to_object(compose(["store=minio"]))
+    _, _, launch = train_launch("dataset/d@v", cfg.model, cfg.train, cluster, cfg.store)
+    return dataclasses.replace(launch, name="train-abc", log_dir=tmp_path / "logs", nodes_dir=tmp_path / "nodes")

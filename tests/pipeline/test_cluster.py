@@ -227,26 +227,20 @@ def test_every_kubernetes_call_a_cluster_run_makes_is_granted(tmp_path, monkeypa
     job) are recorded as (apiGroup, resource, verb), and deploy/rbac.yaml grants each one to
     the service account the pods run as. The earlier attempt's job is deleted first."""
     from components.config import Scheduler, defaults
-    from components.launcher import Launch, run_once
-    from tests.pipeline.fake_k8s import FakeK8s
+    from components.launcher import run_once
+    from tests.pipeline.fake_k8s import FakeK8s, train_launch_on
 
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "rbac.yaml").read_text()))
     granted = _granted(docs, k8s.SERVICE_ACCOUNT)
     cluster = defaults(
         "cluster", scheduler=Scheduler.kubernetes, nodes=2, namespace="team-a", image="registry.example.com/liftoff:1"
     )
-    store = {"backend": "minio", "secret_name": "liftoff-minio"}
     with FakeK8s(earlier_jobs=["train-abc-old1"]) as api:
         api.jobs["train-abc-old1"]["metadata"]["labels"] = {k8s.JOB_LABEL: "train-abc"}
         (tmp_path / "kubeconfig").write_text(api.kubeconfig())
         # where a kubeconfig is looked for ($KUBECONFIG is read once, when kubernetes is imported)
         monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))
-        run_once(
-            Launch(
-                "components.train.worker", {"store": store}, cluster, "train-abc", tmp_path / "logs", tmp_path / "nodes"
-            ),
-            {},
-        )
+        run_once(train_launch_on(cluster, tmp_path), {})
         quarantine = __import__("components.preflight.quarantine", fromlist=["quarantine_nodes"])
         from kubernetes import client, config
 

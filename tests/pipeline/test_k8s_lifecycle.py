@@ -28,9 +28,9 @@ def test_namespace_is_the_configured_one_else_the_pods_own(tmp_path, monkeypatch
 def launch_on(tmp_path, monkeypatch):
     """A 2-node train Launch on the kubernetes scheduler, with the kubeconfig pointed at `api`."""
     from components.config import Scheduler, defaults
-    from components.launcher import Launch
+    from tests.pipeline.fake_k8s import train_launch_on
 
-    def launch(api) -> Launch:
+    def launch(api):
         (tmp_path / "kubeconfig").write_text(api.kubeconfig())
         # where a kubeconfig is looked for ($KUBECONFIG is read once, when kubernetes is imported)
         monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))
@@ -41,8 +41,7 @@ def launch_on(tmp_path, monkeypatch):
             namespace="team-a",
             image="registry.example.com/liftoff:1",
         )
-        store = {"backend": "minio", "secret_name": "liftoff-minio"}
-        return Launch("components.train.worker", {"store": store}, cluster, "train-abc", tmp_path / "logs")
+        return train_launch_on(cluster, tmp_path)
 
     return launch
 

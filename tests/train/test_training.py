@@ -45,8 +45,8 @@ def test_two_node_fp8_trains_float8_linears_and_learns_like_fp32(trainer):
     bf16 = Trainer(trainer.dataset_store, trainer.tmp / "bf16").run(*common, "train.precision=bf16")
     # what trained: every block Linear (7 per block x 2 blocks) is a Float8Linear, the head is not
     expected = {f"model.layers.{i}.{m}" for i in range(2) for m in FP8_LINEARS}
-    assert fp8.result["float8_linear_count"] == 14 and set(fp8.result["float8_linear_modules"]) == expected
-    assert fp32.result["float8_linear_count"] == 0
+    assert fp8.result.float8_linear_count == 14 and set(fp8.result.float8_linear_modules) == expected
+    assert fp32.result.float8_linear_count == 0
     assert trainer.store.manifest(fp8.model.ref).metadata["float8_linear_count"] == 14
     # fp8 GEMMs change the numerics from the first step on (against fp32, and against bf16, which
     # is fp8's recipe minus the Float8Linears), and still learn as well as fp32
@@ -96,7 +96,7 @@ FP8_LINEARS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p i
 def test_every_fp8_recipe_trains_on_one_process(trainer, recipe, casts):
     r = trainer.run("train.precision=fp8", f"train.fp8_recipe={recipe}", "train.steps=12", "train.warmup_steps=2")
     steps, _ = read_records(r.metrics)
-    assert r.result["float8_linear_count"] == 14 and r.result["float8_cast_configs"] == [casts]
+    assert r.result.float8_linear_count == 14 and r.result.float8_cast_configs == [casts]
     assert r.final_loss < steps[0]["loss"]
 
 
@@ -138,12 +138,12 @@ def test_killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, setup
         # and the 14 Float8Linear weights all-gathered in fp8 (tensorwise scaling)
         wrapped = {"fsdp": 3, "activation_checkpoint": 2, "compiled": 2, "fp8_all_gather_params": 14}
         wrapped["fp8_precomputed_scales"] = 14  # precompute_float8_dynamic_scale_for_fsdp ran after the step
-        assert killed.result["wrapped_modules"] == wrapped
-        assert killed.result["float8_linear_count"] == 14
+        assert killed.result.wrapped_modules == wrapped
+        assert killed.result.float8_linear_count == 14
         # FSDP2's MixedPrecisionPolicy: the block computes with bf16 parameters (fp32 masters)
-        assert killed.result["forward_dtypes"] == {"norm_weight": "torch.bfloat16"}
+        assert killed.result.forward_dtypes == {"norm_weight": "torch.bfloat16"}
     else:
-        assert clean.result["forward_dtypes"] == {"norm_weight": "torch.float32"}
+        assert clean.result.forward_dtypes == {"norm_weight": "torch.float32"}
     starts = events(killed.metrics, "start")
     assert len(starts) == 2 and starts[1]["step"] == 10 and starts[1]["resumed_from"].endswith("step-10")
     a, b = final_weights(clean), final_weights(killed)
@@ -190,7 +190,7 @@ def test_nan_batches_are_skipped_named_and_rolled_back(trainer):
     bad = events(r.metrics, "nonfinite_step")
     assert [e["step"] for e in bad] == [5, 12, 13, 14]
     assert all(e["first_nonfinite_module"] == "model.embed_tokens" for e in bad)
-    assert bad[-1]["skipped_total"] == 4 and r.result["skipped_steps"] == 4
+    assert bad[-1]["skipped_total"] == 4 and r.result.skipped_steps == 4
     rollback = events(r.metrics, "rollback")
     assert len(rollback) == 1 and rollback[0]["step"] == 14 and rollback[0]["to"] == "step-10"
     assert all(s["stepped"] for s in read_records(r.metrics)[0] if s["step"] in (15, 16))
@@ -199,7 +199,7 @@ def test_nan_batches_are_skipped_named_and_rolled_back(trainer):
 def test_nonfinite_inside_a_compiled_block_is_named_and_skipped(trainer):
     with injected(nan_weight="model.layers.1.mlp.down_proj.weight", nan_weight_steps=[5]):
         r = trainer.run("train.steps=8", "train.checkpoint_interval=4", "train.compile=true")
-    assert r.result["wrapped_modules"]["compiled"] == 2
+    assert r.result.wrapped_modules["compiled"] == 2
     bad = events(r.metrics, "nonfinite_step")
     assert [(e["step"], e["first_nonfinite_module"]) for e in bad] == [(5, "model.layers.1.mlp.down_proj")]
     steps, _ = read_records(r.metrics)
@@ -263,7 +263,7 @@ def test_a_shorter_rerun_trains_its_own_steps_instead_of_handing_back_the_longer
     longer = trainer.run("train.steps=20", "train.checkpoint_interval=10")
     shorter = trainer.run("train.steps=10", "train.checkpoint_interval=10")
     start = events(shorter.metrics, "start")[-1]
-    assert start["step"] == 10 and shorter.result["checkpoint"] == "step-10"  # not the step-20 weights
+    assert start["step"] == 10 and shorter.result.checkpoint == "step-10"  # not the step-20 weights
     assert shorter.model.ref != longer.model.ref
     step20 = stored_checkpoints(trainer, longer)[20].ref.version
     with pytest.raises(ResumeError, match="is at step 20, beyond train.steps=10"):
@@ -295,7 +295,7 @@ def test_rerun_with_other_weights_publishes_a_new_model_version(trainer):
     assert {m.ref for m in trainer.store.versions("model", "tiny")} == {first.model.ref, second.model.ref}
     verdict = run_validate(str(second.model.ref), defaults("eval"), trainer.store)
     assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0  # its own checkpoint, not the first run's
-    assert verdict.numbers["recorded_loss"] == second.result["probe_loss"] != first.result["probe_loss"]
+    assert verdict.numbers["recorded_loss"] == second.result.probe_loss != first.result.probe_loss
     assert second.checkpoint_version != first.checkpoint_version
     from components.evaluate.stage import run_evaluate
 
@@ -351,7 +351,7 @@ def test_fsdp_trains_the_same_weights_as_ddp(trainer):
     common = [*TWO_NODES, "train.precision=fp32", "train.steps=10", "train.warmup_steps=2"]
     ddp = trainer.run(*common, "train.parallelism=ddp", "train.checkpoint_interval=10")
     fsdp = Trainer(trainer.dataset_store, trainer.tmp / "fsdp").run(*common, "train.parallelism=fsdp")
-    assert fsdp.result["wrapped_modules"]["fsdp"] == 3 and ddp.result["wrapped_modules"]["fsdp"] == 0
+    assert fsdp.result.wrapped_modules["fsdp"] == 3 and ddp.result.wrapped_modules["fsdp"] == 0
     a, b = final_weights(ddp), final_weights(fsdp)
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4

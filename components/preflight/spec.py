@@ -1,0 +1,18 @@
+"""What the preflight stage tells its workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from components.config import PreflightConfig, StoreConfig
+from components.launcher import WorkerSpec
+
+
+@dataclass(frozen=True)
+class PreflightSpec(WorkerSpec):
+    preflight: PreflightConfig
+    store: StoreConfig  # as the replicas reach it (launcher.replica_store)
+    dataset: str | None  # dataset/NAME@VERSION whose read preflight times
+    name: str  # the fleet's name: preflight/<name>@<run_id> holds every process's numbers
+    run_id: str
+    checkpoint_dir: str  # the disk checkpoints land on, inside the replica

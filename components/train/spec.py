@@ -1,0 +1,51 @@
+"""What the train stage tells its workers (`TrainSpec`) and what rank 0 hands back through
+the store (`WorkerResult`): the two typed messages across the pod boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from components.config import ModelConfig, StoreConfig, TrainConfig
+from components.launcher import WorkerSpec
+
+
+@dataclass(frozen=True)
+class TrainSpec(WorkerSpec):
+    train: TrainConfig
+    model: ModelConfig
+    store: StoreConfig  # as the replicas reach it (launcher.replica_store)
+    dataset: str  # dataset/NAME@VERSION
+    identity: str  # the training identity: what determines the weights' math
+    launch_id: str  # names this launch's run record in the store
+    run_dir: str  # inside the replica, relative to its own working directory
+    checkpoint_dir: str  # likewise; each node keeps its own checkpoints under it
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """What trained, read from the live model, and how it ended."""
+
+    final_loss: float
+    probe_loss: float | None  # loss on the first val blocks as the model trained; validate re-checks it
+    probe_blocks: int
+    steps: int
+    skipped_steps: int
+    checkpoint: str  # the final checkpoint's directory name, step-N
+    checkpoint_version: str
+    publish_errors: list[str]
+    world: int
+    precision: str
+    float8_linear_count: int
+    float8_linear_modules: list[str]
+    wrapped_modules: dict[str, int]
+    float8_cast_configs: list[str]
+    forward_dtypes: dict[str, str]
+    model: str = ""  # model/NAME@VERSION, once published
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> WorkerResult:
+        return cls(**data)
