@@ -12,12 +12,8 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from components.config import CONF_DIR, compose, config_groups
-
-ARTIFACTS_USAGE = "liftoff artifacts ls [KIND] | show KIND/NAME[@VERSION]"
-
-
-class UsageError(ValueError):
-    """A command line that names nothing liftoff can do; `main` prints it as one line, exit 2."""
+from pipelines.artifacts import USAGE as ARTIFACTS_USAGE
+from pipelines.artifacts import UsageError
 
 
 def _split(args: list[str]) -> tuple[list[str], list[str]]:
@@ -89,37 +85,23 @@ def print_groups() -> None:
 
 
 def cmd_artifacts(args: list[str]) -> int:
-    """The versions in the store (store.* overrides choose it): `ls` lists them, `show` prints
-    one version's manifest and lineage."""
+    """List, inspect and download the versions in the store (store.* overrides choose it).
+
+    ls [KIND]                      every version (of one kind): ref, date, files, size
+    show KIND/NAME[@VERSION]       one version: created, code version, metadata, files, lineage;
+                                   --json prints its raw manifest; VERSION defaults to the latest
+    get KIND/NAME[@VERSION] [DEST] download it into DEST (default ./KIND-NAME-VERSION), checking
+                                   every file's sha256, and print the folder
+    """
     from components.store import open_store
+    from pipelines.artifacts import SUBCOMMANDS
 
     words, overrides = _split(args)
-    if not words or words[0] not in ("ls", "show"):
-        raise UsageError("usage: liftoff artifacts ls [KIND] | show KIND/NAME[@VERSION]  [overrides]")
-    cfg = compose(overrides)
-    store = open_store(OmegaConf.to_object(cfg.store))
-    if words[0] == "ls":
-        for m in store.ls(words[1] if len(words) > 1 else None):
-            size = sum(f["size"] for f in m.files.values())
-            print(f"{m.ref}\t{m.created}\t{len(m.files)} files\t{size} bytes")
-        return 0
-    if len(words) != 2:
-        raise UsageError("usage: liftoff artifacts show KIND/NAME[@VERSION]")
-    target = words[1]
-    kind_name, _, version = target.partition("@")
-    kind, _, name = kind_name.partition("/")
-    manifest = store.resolve(kind, name, version or "latest")
-    print(manifest.to_json())
-    print("lineage:")
-    _print_lineage(store.lineage(manifest.ref), 1)
-    return 0
-
-
-def _print_lineage(node: dict, depth: int) -> None:
-    note = " (missing)" if node.get("missing") else f"  created {node.get('created')}  code {node.get('code_version')}"
-    print("  " * depth + node["ref"] + note)
-    for parent in node["parents"]:
-        _print_lineage(parent, depth + 1)
+    if not words or words[0] not in SUBCOMMANDS:
+        got = f", got {words[0]!r}" if words else ""
+        raise UsageError(f"usage: {ARTIFACTS_USAGE}  [overrides]{got}")
+    store = open_store(OmegaConf.to_object(compose(overrides).store))
+    return SUBCOMMANDS[words[0]](store, words[1:])
 
 
 def cmd_plan(args: list[str]) -> int:

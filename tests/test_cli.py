@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from components.config import CONF_DIR, defaults
-from components.store import open_store
+from components.store import KINDS, open_store
+from pipelines.artifacts import human_size, when
 from pipelines.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,6 +120,122 @@ def shelf(tmp_path):
     parents = ["dataset/kjv@h1", "checkpoint/tiny@gone"]
     store.publish("model", "tiny", "r1", m, metadata={"final_loss": 5.49}, parents=parents)
     return store, [f"store.root={cfg.root}", f"store.cache_dir={cfg.cache_dir}"]
+
+
+def test_human_sizes_and_dates():
+    assert [human_size(n) for n in (0, 512, 1536, 3 * 2**20, 5 * 2**30)] == [
+        "0 B",
+        "512 B",
+        "1.5 KiB",
+        "3.0 MiB",
+        "5.0 GiB",
+    ]
+    assert when("2026-12-01T21:56:10.123456+00:00") == "2026-12-01 21:56"
+    assert when("2026-12-01T23:56:10+02:00") == "2026-12-01 21:56"
+
+
+def test_ls_prints_human_sizes_and_dates(shelf, capsys):
+    store, args = shelf
+    assert main(["artifacts", "ls", *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    date = r"\d{4}-\d\d-\d\d \d\d:\d\d"
+    assert re.fullmatch(rf"dataset/kjv@h1  {date}  2 files     2\.0 KiB", lines[0]), lines
+    assert re.fullmatch(rf"model/tiny@r1   {date}   1 file     3\.0 MiB", lines[1]), lines
+    assert len(lines) == 2
+    assert main(["artifacts", "ls", "model", *args]) == 0
+    assert capsys.readouterr().out.startswith("model/tiny@r1  ")
+
+
+@pytest.mark.parametrize(
+    "words,needle",
+    [
+        (["ls", "bogus"], f"unknown artifact kind 'bogus'; the kinds are {', '.join(sorted(KINDS))}"),
+        (["show", "bogus/x"], "unknown artifact kind 'bogus'"),
+        (["show", "model"], "usage: liftoff artifacts show KIND/NAME[@VERSION]: 'model' names no artifact"),
+        (["show", "model/"], "'model/' names no artifact"),
+        (["show", "model/tiny@"], "'model/tiny@' is not an artifact reference"),
+        (["show"], "usage: liftoff artifacts show KIND/NAME[@VERSION]"),
+        (["get", "model"], "usage: liftoff artifacts get KIND/NAME[@VERSION]"),
+        (["show", "model/tiny@r9"], "no version model/tiny@r9"),
+        (["frob"], "usage: liftoff artifacts ls [KIND] | show"),
+    ],
+)
+def test_bad_kinds_and_names_are_one_line_exit_2(shelf, words, needle, capsys):
+    _, args = shelf
+    assert main(["artifacts", *words, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("liftoff artifacts: ") and needle in captured.err, captured.err
+    assert len(captured.err.splitlines()) == 1 and captured.out == ""
+
+
+def test_show_model_without_a_name_lists_the_names_there_are(shelf, capsys):
+    _, args = shelf
+    assert main(["artifacts", "show", "model", *args]) == 2
+    assert capsys.readouterr().err.rstrip().endswith(": tiny)")
+
+
+def test_show_is_a_readable_summary(shelf, capsys):
+    store, args = shelf
+    assert main(["artifacts", "show", "dataset/kjv", *args]) == 0
+    out = capsys.readouterr().out
+    manifest = store.resolve("dataset", "kjv")
+    lines = out.splitlines()
+    assert lines[0] == "dataset/kjv@h1"
+    assert re.fullmatch(r"  created\s+\d{4}-\d\d-\d\d \d\d:\d\d UTC", lines[1])
+    assert lines[2].split() == ["code", "version", manifest.code_version]
+    for row in ('    paths: ["x"]', "    split.train: 0.9", "    tokens: 12345"):
+        assert row in lines
+    assert re.search(r"^  files\s+2, 2\.0 KiB$", out, re.M)
+    assert re.search(rf"^    a\.bin\s+2\.0 KiB  sha256 {manifest.files['a.bin']['sha256'][:12]}$", out, re.M)
+    assert re.search(r"^    sub/b\.txt\s+2 B  sha256 ", out, re.M)
+    assert "{" not in out  # no raw JSON
+
+
+def test_show_draws_the_lineage_tree(shelf, capsys):
+    _, args = shelf
+    assert main(["artifacts", "show", "model/tiny@r1", *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tree = lines[lines.index("  lineage") + 1 :]
+    assert tree[0].startswith("    model/tiny@r1  created ")
+    assert tree[1].startswith("      dataset/kjv@h1  created ")
+    assert tree[2] == "      checkpoint/tiny@gone  (missing from the store)"
+    assert "    final_loss: 5.49" in lines
+
+
+def test_show_json_is_the_raw_manifest(shelf, capsys):
+    import json
+
+    store, args = shelf
+    assert main(["artifacts", "show", "model/tiny", "--json", *args]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(store.resolve("model", "tiny").to_json())
+
+
+def test_get_downloads_verified_into_dest(shelf, tmp_path, monkeypatch, capsys):
+    store, args = shelf
+    monkeypatch.chdir(tmp_path)
+    assert main(["artifacts", "get", "dataset/kjv", *args]) == 0
+    default = tmp_path / "dataset-kjv-h1"
+    assert capsys.readouterr().out == f"{default}\n"
+    assert (default / "a.bin").read_bytes() == b"a" * 2048 and (default / "sub" / "b.txt").read_text() == "hi"
+    assert main(["artifacts", "get", "model/tiny@r1", "out/model", *args]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'out' / 'model'}\n"
+    assert (tmp_path / "out" / "model" / "model.safetensors").stat().st_size == 3 * 1024 * 1024
+
+
+def test_get_refuses_a_corrupt_object(shelf, tmp_path, capsys):
+    store, args = shelf
+    (Path(store.backend.root) / "dataset" / "kjv" / "h1" / "a.bin").write_bytes(b"b" * 2048)
+    assert main(["artifacts", "get", "dataset/kjv@h1", str(tmp_path / "got"), *args]) == 2
+    captured = capsys.readouterr()
+    assert "sha256 mismatch for dataset/kjv/h1/a.bin" in captured.err and captured.out == ""
+    assert len(captured.err.splitlines()) == 1 and not (tmp_path / "got" / "a.bin").exists()
+
+
+def test_get_into_a_file_is_one_line(shelf, tmp_path, capsys):
+    _, args = shelf
+    (tmp_path / "file").write_text("x")
+    assert main(["artifacts", "get", "model/tiny", str(tmp_path / "file"), *args]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
 
 
 class ClosedPipe(io.StringIO):
