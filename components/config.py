@@ -400,9 +400,9 @@ def _no_such_key(key: str, at: int, known: list[str]) -> str:
 
 def unknown_key(key: str) -> str | None:
     """Why an override's key (`train.lrr`, `modle`) names nothing in the schema, or None when it
-    does or cannot be judged here: an add/delete (`+`, `~`), a package (`@`), or a key inside a
-    dict or list field (`preflight.floors.gemm_tflops`), which holds any key."""
-    if not key or key.startswith(("+", "~")) or "@" in key:
+    does or cannot be judged here: an add/delete (`+`, `~`), a package (`@`), Hydra's own
+    `hydra.*`, or a key inside a dict or list field (`preflight.floors.gemm_tflops`), which holds any key."""
+    if not key or key.startswith(("+", "~")) or "@" in key or key.split(".")[0] == "hydra":
         return None
     schema = Config
     for at, part in enumerate(key.split(".")):
