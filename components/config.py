@@ -9,6 +9,7 @@ judge), and `check_config` runs them all.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import types
@@ -116,9 +117,10 @@ class ModelConfig:
              f"must be >= 1, got {self.vocab_size}"),
             ("model.num_heads", heads >= 1, f"must be >= 1, got {heads}"),
             ("model.hidden_size", heads < 1 or self.hidden_size % heads == 0,
-             f"{self.hidden_size} is not divisible by model.num_heads={heads}"),
+             f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={heads}"),
             ("model.num_kv_heads", kv >= 1 and heads % kv == 0,
-             f"{kv} must divide model.num_heads={heads} (each kv head serves a whole group of query heads)"),
+             f"model.num_heads={heads} is not divisible by model.num_kv_heads={kv} "
+             "(each kv head serves a whole group of query heads)"),
             ("model.head_dim", heads < 1 or (self.hidden_size // heads) % 2 == 0,
              "hidden_size / num_heads must be even for rotary embeddings"),
             ("model.num_layers", self.num_layers >= 1, f"must be >= 1, got {self.num_layers}"),
@@ -317,8 +319,9 @@ class ConfigError(ValueError):
 
 
 def failed(rules: list[tuple[str, bool, str]]) -> list[str]:
-    """`key: message` for each (key, holds, message) rule that does not hold."""
-    return [f"{key}: {message}" for key, holds, message in rules if not holds]
+    """`key: message` for each (key, holds, message) rule that does not hold; a message that
+    already names its key with a value (`model.hidden_size=64 is not ...`) stands alone."""
+    return [message if f"{key}=" in message else f"{key}: {message}" for key, holds, message in rules if not holds]
 
 
 def problems(groups: dict[str, Any]) -> list[str]:
@@ -367,11 +370,62 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    bad = [msg for o in overrides if (msg := unknown_key(o.partition("=")[0]))]
+    if bad:  # before Hydra, whose own message suggests `+key`: adding a key the code never reads
+        raise ConfigError("invalid config: " + "; ".join(bad))
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    added = extra_keys(cfg)
+    if added:  # `+train.lrr=1` or `++train.lrr=1`: a key no code reads would be ignored silently
+        raise ConfigError("invalid config: " + "; ".join(added))
     check_config(cfg)
     return cfg
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Each config group (a folder of conf/) and its options (the YAML files in it)."""
+    return {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in sorted(CONF_DIR.iterdir()) if d.is_dir()}
+
+
+def _no_such_key(key: str, at: int, known: list[str]) -> str:
+    """`key is not a config key; did you mean ...?`: its `at`-th part replaced by the closest of `known`."""
+    parts = key.split(".")
+    close = difflib.get_close_matches(parts[at], known, n=1, cutoff=0.6)
+    if not close:
+        where = "at the top" if at == 0 else "of " + ".".join(parts[:at])
+        return f"{key} is not a config key; the keys {where} are {', '.join(known)}"
+    return f"{key} is not a config key; did you mean {'.'.join([*parts[:at], close[0], *parts[at + 1 :]])}?"
+
+
+def unknown_key(key: str) -> str | None:
+    """Why an override's key (`train.lrr`, `modle`) names nothing in the schema, or None when it
+    does or cannot be judged here: an add/delete (`+`, `~`), a package (`@`), Hydra's own
+    `hydra.*`, or a key inside a dict or list field (`preflight.floors.gemm_tflops`), which holds any key."""
+    if not key or key.startswith(("+", "~")) or "@" in key or key.split(".")[0] == "hydra":
+        return None
+    schema = Config
+    for at, part in enumerate(key.split(".")):
+        if not dataclasses.is_dataclass(schema):
+            return None
+        hints = typing.get_type_hints(schema)
+        groups = config_groups() if at == 0 else {}
+        if part not in hints and part not in groups:
+            return _no_such_key(key, at, sorted({*hints, *groups}) if at == 0 else list(hints))
+        schema = hints.get(part)
+    return None
+
+
+def extra_keys(cfg: DictConfig, schema: type = Config, within: str = "") -> list[str]:
+    """A message for each key of the composed config that its schema does not have."""
+    hints = typing.get_type_hints(schema)
+    found = []
+    for key in cfg.keys():
+        if key not in hints:
+            found.append(_no_such_key(f"{within}{key}", within.count("."), list(hints)))
+        elif dataclasses.is_dataclass(hints[key]) and isinstance(cfg[key], DictConfig):
+            found += extra_keys(cfg[key], hints[key], f"{within}{key}.")
+    return found
 
 
 T = TypeVar("T")

@@ -29,6 +29,8 @@ from components.config import StoreBackend, StoreConfig
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# what the stages publish: tokenize, train (checkpoints, the model, the run's record), preflight, evaluate
+KINDS = ("dataset", "checkpoint", "model", "run", "preflight", "eval")
 _PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
 T = TypeVar("T")
 

@@ -1,19 +1,19 @@
-"""`liftoff`: the command line. Each subcommand composes `conf/` with Hydra overrides.
-
-liftoff config [overrides]                 the composed, validated config
-liftoff artifacts ls [KIND] [overrides]    versions in the store
-liftoff artifacts show KIND/NAME[@VERSION] [overrides]   manifest and lineage
-"""
+"""`liftoff`: the command line. Each subcommand composes `conf/` with Hydra overrides;
+`liftoff --help` lists the commands, `liftoff COMMAND --help` shows one."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
-from components.config import compose
+from components.config import CONF_DIR, compose, config_groups
+from pipelines.artifacts import USAGE as ARTIFACTS_USAGE
+from pipelines.artifacts import UsageError
 
 
 def _split(args: list[str]) -> tuple[list[str], list[str]]:
@@ -29,42 +29,79 @@ def _overrides_only(command: str, args: list[str]) -> list[str]:
     return overrides
 
 
+def _option(args: list[str], names: tuple[str, ...]) -> tuple[str | None, list[str]]:
+    """The value of `--name VALUE` (or `--name=VALUE`) and the other args."""
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if flag in names and eq:
+            return value, args[:i] + args[i + 1 :]
+        if a in names:
+            if i + 1 == len(args):
+                raise UsageError(f"{a} needs a value")
+            return args[i + 1], args[:i] + args[i + 2 :]
+    return None, args
+
+
 def cmd_config(args: list[str]) -> int:
-    overrides = _overrides_only("config", args)
-    print(OmegaConf.to_yaml(compose(overrides)), end="")
+    """Print the composed, validated config (Hydra's `--cfg job`), or list the config groups.
+
+    --cfg job         the composed config as YAML (the default; `hydra` and `all` are not kept)
+    -p, --package K   only the part under K (`-p train`, `-p model.hidden_size`)
+    --resolve         resolve ${...} interpolations before printing
+    --info groups     each config group (a folder of conf/) with its options; * marks the default
+    """
+    info, args = _option(args, ("--info", "-i"))
+    cfg_kind, args = _option(args, ("--cfg", "-c"))
+    package, args = _option(args, ("--package", "-p"))
+    resolve = "--resolve" in args
+    overrides = _overrides_only("config", [a for a in args if a != "--resolve"])
+    if info is not None:
+        if info != "groups":
+            raise UsageError(f"--info takes groups, got {info!r}")
+        print_groups()
+        return 0
+    if cfg_kind not in (None, "job"):
+        raise UsageError(f"--cfg takes job (the composed config), got {cfg_kind!r}: liftoff keeps no Hydra config")
+    cfg = compose(overrides)
+    part = OmegaConf.select(cfg, package, default=KeyError) if package else cfg
+    if part is KeyError:
+        raise UsageError(f"--package {package!r} names no part of the config")
+    text = OmegaConf.to_yaml(part, resolve=resolve) if OmegaConf.is_config(part) else f"{part}\n"
+    print(text, end="")
     return 0
+
+
+def print_groups() -> None:
+    """`GROUP  option, option*` for each folder of conf/; * is the option conf/config.yaml picks."""
+    chosen = {}
+    for entry in OmegaConf.load(CONF_DIR / "config.yaml").defaults:
+        if OmegaConf.is_dict(entry):
+            chosen.update({str(k): str(v) for k, v in entry.items()})
+    groups = config_groups()
+    width = max(len(g) for g in groups)
+    print("config groups (conf/GROUP/OPTION.yaml; choose one with GROUP=OPTION, * marks the default):")
+    for group, options in groups.items():
+        print(f"  {group:<{width}}  {', '.join(o + ('*' if chosen.get(group) == o else '') for o in options)}")
 
 
 def cmd_artifacts(args: list[str]) -> int:
+    """List, inspect and download the versions in the store (store.* overrides choose it).
+
+    ls [KIND]                      every version (of one kind): ref, date, files, size
+    show KIND/NAME[@VERSION]       one version: created, code version, metadata, files, lineage;
+                                   --json prints its raw manifest; VERSION defaults to the latest
+    get KIND/NAME[@VERSION] [DEST] download it into DEST (default ./KIND-NAME-VERSION), checking
+                                   every file's sha256, and print the folder
+    """
     from components.store import open_store
+    from pipelines.artifacts import SUBCOMMANDS
 
     words, overrides = _split(args)
-    if not words or words[0] not in ("ls", "show"):
-        raise UsageError("usage: liftoff artifacts ls [KIND] | show KIND/NAME[@VERSION]  [overrides]")
-    cfg = compose(overrides)
-    store = open_store(OmegaConf.to_object(cfg.store))
-    if words[0] == "ls":
-        for m in store.ls(words[1] if len(words) > 1 else None):
-            size = sum(f["size"] for f in m.files.values())
-            print(f"{m.ref}\t{m.created}\t{len(m.files)} files\t{size} bytes")
-        return 0
-    if len(words) != 2:
-        raise UsageError("usage: liftoff artifacts show KIND/NAME[@VERSION]")
-    target = words[1]
-    kind_name, _, version = target.partition("@")
-    kind, _, name = kind_name.partition("/")
-    manifest = store.resolve(kind, name, version or "latest")
-    print(manifest.to_json())
-    print("lineage:")
-    _print_lineage(store.lineage(manifest.ref), 1)
-    return 0
-
-
-def _print_lineage(node: dict, depth: int) -> None:
-    note = " (missing)" if node.get("missing") else f"  created {node.get('created')}  code {node.get('code_version')}"
-    print("  " * depth + node["ref"] + note)
-    for parent in node["parents"]:
-        _print_lineage(parent, depth + 1)
+    if not words or words[0] not in SUBCOMMANDS:
+        got = f", got {words[0]!r}" if words else ""
+        raise UsageError(f"usage: {ARTIFACTS_USAGE}  [overrides]{got}")
+    store = open_store(OmegaConf.to_object(compose(overrides).store))
+    return SUBCOMMANDS[words[0]](store, words[1:])
 
 
 def cmd_plan(args: list[str]) -> int:
@@ -167,20 +204,72 @@ def cmd_submit(args: list[str]) -> int:
     return 0 if all(state == "SUCCEEDED" for _, state in states) else 1
 
 
-class UsageError(ValueError):
-    pass
+@dataclass(frozen=True)
+class Command:
+    run: Callable[[list[str]], int]
+    usage: str  # after `liftoff `
+    summary: str  # one line for `liftoff --help`
+
+    def help(self) -> str:
+        """`liftoff COMMAND --help`: usage, then the function's docstring."""
+        lines = (self.run.__doc__ or self.summary).strip().splitlines()
+        body = "\n".join([lines[0], *(ln[4:] if ln.startswith("    ") else ln for ln in lines[1:])])
+        return f"usage: liftoff {self.usage}\n\n{body}\n\n{OVERRIDES_HELP}"
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "config": cmd_config,
-    "artifacts": cmd_artifacts,
-    "plan": cmd_plan,
-    "run": cmd_run,
-    "compile": cmd_compile,
-    "render": cmd_render,
-    "upload": cmd_upload,
-    "submit": cmd_submit,
+OVERRIDES_HELP = (
+    "overrides are Hydra's: key=value (train.lr=1e-3), GROUP=OPTION (model=125m), +key=value inside a\n"
+    "dict field, ~key; `liftoff config --info groups` lists the groups and their options."
+)
+
+COMMANDS: dict[str, Command] = {
+    "config": Command(
+        cmd_config,
+        "config [--cfg job [-p KEY] [--resolve] | --info groups] [overrides]",
+        "print the composed, validated config; --info groups lists the config groups and options",
+    ),
+    "run": Command(
+        cmd_run, "run [-m] [overrides]", "the whole DAG locally through kfp.local; -m sweeps, ends with a table"
+    ),
+    "plan": Command(
+        cmd_plan, "plan [overrides]", "memory / FLOPs / step-time plan, no hardware needed; exit 1 if it cannot fit"
+    ),
+    "artifacts": Command(
+        cmd_artifacts,
+        f"{ARTIFACTS_USAGE.removeprefix('liftoff ')} [overrides]",
+        "list, show and download (get) the versions in the store",
+    ),
+    "compile": Command(
+        cmd_compile,
+        "compile [overrides]",
+        "write the pipeline's IR YAML to build/pretrain.yaml, the config as defaults",
+    ),
+    "render": Command(
+        cmd_render,
+        "render [overrides]",
+        "what a cluster run creates: build/pretrain.yaml and build/jobs/{train,preflight}.yaml",
+    ),
+    "upload": Command(
+        cmd_upload,
+        "upload [overrides]",
+        "upload the pipeline to Kubeflow Pipelines (a new version; no-op if unchanged)",
+    ),
+    "submit": Command(
+        cmd_submit,
+        "submit [-m] [--wait] [overrides]",
+        "runs on Kubeflow Pipelines (kfp.host), one per sweep job; --wait follows them",
+    ),
 }
+
+
+def usage() -> str:
+    """`liftoff --help`: every command, one line each."""
+    width = max(len(name) for name in COMMANDS)
+    rows = "\n".join(f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items())
+    return (
+        "usage: liftoff COMMAND [args] [overrides]\n\ncommands:\n"
+        f"{rows}\n\n`liftoff COMMAND --help` shows one command's usage.\n{OVERRIDES_HELP}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,19 +282,44 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+    try:
+        return _dispatch(argv, (HydraException, OmegaConfBaseException, ValueError, StoreError, KfpError, RunFailed))
+    except BrokenPipeError:  # `liftoff artifacts ls | head -1`: the reader left; so do we, quietly
+        _silence_stdout()
+        return 141  # what a shell reports for a process ended by SIGPIPE
+
+
+def _dispatch(argv: list[str], one_line_errors: tuple[type[BaseException], ...]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        if len(argv) > 1 and argv[1] in COMMANDS:  # `liftoff help run`
+            return _dispatch([argv[1], "--help"], one_line_errors)
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
     if command is None:
         print(f"liftoff: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    if "-h" in argv[1:] or "--help" in argv[1:]:
+        print(command.help())
+        sys.stdout.flush()
+        return 0
     try:
-        return command(argv[1:])
+        rc = command.run(argv[1:])
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
+        return rc
     # ValueError covers ConfigError, UsageError and Hydra's own override errors
-    except (HydraException, OmegaConfBaseException, ValueError, StoreError, KfpError, RunFailed) as e:
+    except one_line_errors as e:
         print(f"liftoff {argv[0]}: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured)
+        pass
 
 
 def _one_line(e: BaseException) -> str:

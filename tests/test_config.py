@@ -95,6 +95,47 @@ def test_unknown_keys_and_wrong_types_fail(override, needle, capsys):
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("override", ["train.lrr=1", "+train.lrr=1", "++train.lrr=1"])
+def test_a_typo_is_one_line_that_names_the_key_it_meant(override, capsys):
+    """Never the `+train.lrr` Hydra suggests: that key would be added and then read by nothing."""
+    assert main(["config", override]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "liftoff config: invalid config: train.lrr is not a config key; did you mean train.lr?\n"
+    with pytest.raises(ConfigError, match="did you mean train.lr"):
+        compose([override])
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("modle=7b", "modle is not a config key; did you mean model?"),
+        ("trian.lr=1", "trian.lr is not a config key; did you mean train.lr?"),
+        ("model.num_head=8", "model.num_head is not a config key; did you mean model.num_heads?"),
+        ("+new=1", "new is not a config key; the keys at the top are data, tokenizer, model, train"),
+        ("train.zzz=1", "train.zzz is not a config key; the keys of train are precision, fp8_recipe,"),
+    ],
+)
+def test_unknown_keys_suggest_the_nearest_key(override, message, capsys):
+    assert main(["config", override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "+" not in err.replace(override, "") and len(err.splitlines()) == 1
+
+
+def test_keys_inside_dict_fields_stay_open():
+    """`+` is how a key is added inside a dict field; the unknown-key check leaves those alone."""
+    cfg = compose(["+preflight.floors.storage_mb_s=5", "+cluster.node_selector={pool: gpu}", "hydra.verbose=true"])
+    assert cfg.preflight.floors.storage_mb_s == 5 and cfg.cluster.node_selector == {"pool": "gpu"}
+
+
+def test_heads_rules_read_forwards(capsys):
+    assert main(["config", "model.num_heads=5"]) == 2
+    err = capsys.readouterr().err
+    assert "model.hidden_size=64 is not divisible by model.num_heads=5" in err
+    assert "model.num_heads=5 is not divisible by model.num_kv_heads=4" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_config_prints_composed_yaml(capsys):
     assert main(["config", "train.lr=0.01"]) == 0
     assert "lr: 0.01" in capsys.readouterr().out

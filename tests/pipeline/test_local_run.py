@@ -53,9 +53,9 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     model_ref = re.search(r"^  (model/tiny@[\w-]+)$", out, re.M).group(1)
     assert main(["artifacts", "show", model_ref]) == 0
     shown = capfd.readouterr().out
-    assert re.search(r"^    checkpoint/tiny@\w+-step10", shown, re.M)
-    assert re.search(r"^    dataset/kjv@\w+", shown, re.M)
-    assert re.search(r"^  model/tiny@[\w-]+ .* code [0-9a-f]{40}", shown, re.M)  # the commit that trained it
+    assert re.search(r"^      checkpoint/tiny@\w+-step10", shown, re.M)  # the lineage tree, under the model
+    assert re.search(r"^      dataset/kjv@\w+", shown, re.M)
+    assert re.search(r"^    model/tiny@[\w-]+ .* code [0-9a-f]{40}", shown, re.M)  # the commit that trained it
     # the default experiment is the headline path: 2 nodes, fp8 Float8Linears, activation checkpointing
     from components.config import defaults
     from components.store import Ref, open_store

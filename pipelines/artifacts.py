@@ -1,0 +1,143 @@
+"""`liftoff artifacts ls | show | get`: the store's versions for people, sizes and dates readable."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+from components.store import KINDS, ArtifactStore, Manifest, check_part
+
+USAGE = "liftoff artifacts ls [KIND] | show KIND/NAME[@VERSION] [--json] | get KIND/NAME[@VERSION] [DEST]"
+
+
+class UsageError(ValueError):
+    """A command line that names nothing liftoff can do; `main` prints it as one line, exit 2."""
+
+
+def human_size(n: float) -> str:
+    """Bytes in binary units: `512 B`, `1.5 KiB`, `3.2 MiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def when(created: str) -> str:
+    """A manifest's ISO time stamp as `YYYY-MM-DD HH:MM` in UTC (as stored when unreadable)."""
+    try:
+        stamp = datetime.fromisoformat(created)
+    except (TypeError, ValueError):
+        return created or "?"
+    stamp = stamp.replace(tzinfo=timezone.utc) if stamp.tzinfo is None else stamp.astimezone(timezone.utc)
+    return stamp.strftime("%Y-%m-%d %H:%M")
+
+
+def known_kinds(store: ArtifactStore) -> list[str]:
+    """The kinds the pipeline publishes and any other kind this store holds."""
+    return sorted({*KINDS, *store.backend.list_prefixes("")})
+
+
+def check_kind(store: ArtifactStore, kind: str) -> str:
+    known = known_kinds(store)
+    if kind not in known:
+        raise UsageError(f"unknown artifact kind {kind!r}; the kinds are {', '.join(known)}")
+    return kind
+
+
+def parse_target(store: ArtifactStore, verb: str, text: str) -> tuple[str, str, str]:
+    """KIND/NAME[@VERSION] (or KIND/NAME/VERSION) as (kind, name, version or 'latest')."""
+    usage = f"usage: liftoff artifacts {verb} KIND/NAME[@VERSION]"
+    parts = text.replace("@", "/", 1).split("/") if "@" in text else text.split("/")
+    kind = check_kind(store, check_part(parts[0], "kind"))
+    if len(parts) < 2 or not parts[1]:
+        names = store.backend.list_prefixes(kind)
+        held = f"the {kind} names in {store.description}: {', '.join(names)}" if names else f"no {kind} is stored"
+        raise UsageError(f"{usage}: {text!r} names no artifact ({held})")
+    if len(parts) > 3 or (len(parts) == 3 and not parts[2]):
+        raise UsageError(f"{usage}: {text!r} is not an artifact reference")
+    return kind, check_part(parts[1], "name"), check_part(parts[2], "version") if len(parts) == 3 else "latest"
+
+
+def total_size(m: Manifest) -> int:
+    return sum(f["size"] for f in m.files.values())
+
+
+def cmd_ls(store: ArtifactStore, words: list[str]) -> int:
+    """One version a line, oldest first per name: ref, created (UTC), file count, total size."""
+    if len(words) > 1:
+        raise UsageError(f"usage: liftoff artifacts ls [KIND], got {' '.join(words)!r}")
+    kind = check_kind(store, check_part(words[0], "kind")) if words else None
+    rows = []
+    for m in store.ls(kind):
+        files = f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}"
+        rows.append((str(m.ref), when(m.created), files, human_size(total_size(m))))
+    widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+    for row in rows:
+        print(f"{row[0]:<{widths[0]}}  {row[1]}  {row[2]:>{widths[2]}}  {row[3]:>10}")
+    return 0
+
+
+def _leaves(value, key: str = ""):
+    """(dotted key, one-line value) for each leaf of a metadata dict."""
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            yield from _leaves(v, f"{key}.{k}" if key else str(k))
+    else:
+        one_line = isinstance(value, str) and value.isprintable()
+        yield key, value if one_line else json.dumps(value)  # a string with a newline shows it as \n
+
+
+def show(store: ArtifactStore, m: Manifest) -> None:
+    """A readable summary of one version: identity, metadata, files, lineage."""
+    print(str(m.ref))
+    print(f"  created       {when(m.created)} UTC")
+    print(f"  code version  {m.code_version}")
+    print(f"  metadata      {'' if m.metadata else '(none)'}".rstrip())
+    for key, value in _leaves(m.metadata):
+        print(f"    {key}: {value}")
+    print(f"  files         {len(m.files)}, {human_size(total_size(m))}")
+    width = max((len(rel) for rel in m.files), default=0)
+    for rel, entry in sorted(m.files.items()):
+        print(f"    {rel:<{width}}  {human_size(entry['size']):>10}  sha256 {entry['sha256'][:12]}")
+    print("  lineage")
+    _print_lineage(store.lineage(m.ref), 2)
+
+
+def _print_lineage(node: dict, depth: int) -> None:
+    if node.get("missing"):
+        note = "  (missing from the store)"
+    else:
+        note = f"  created {when(node.get('created', ''))}  code {node.get('code_version')}"
+    print("  " * depth + node["ref"] + note)
+    for parent in node["parents"]:
+        _print_lineage(parent, depth + 1)
+
+
+def cmd_show(store: ArtifactStore, words: list[str]) -> int:
+    raw = "--json" in words
+    words = [w for w in words if w != "--json"]
+    if len(words) != 1:
+        raise UsageError("usage: liftoff artifacts show KIND/NAME[@VERSION] [--json]")
+    m = store.resolve(*parse_target(store, "show", words[0]))
+    if raw:
+        print(m.to_json())
+    else:
+        show(store, m)
+    return 0
+
+
+def cmd_get(store: ArtifactStore, words: list[str]) -> int:
+    """Download a version into DEST (default ./KIND-NAME-VERSION), every sha256 checked; print where."""
+    if len(words) not in (1, 2):
+        raise UsageError("usage: liftoff artifacts get KIND/NAME[@VERSION] [DEST]")
+    m = store.resolve(*parse_target(store, "get", words[0]))
+    dest = Path(words[1]) if len(words) == 2 else Path(f"{m.ref.kind}-{m.ref.name}-{m.ref.version}")
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"get: DEST {str(dest)!r} exists and is not a directory")
+    print(store.fetch(m, dest).resolve())
+    return 0
+
+
+SUBCOMMANDS = {"ls": cmd_ls, "show": cmd_show, "get": cmd_get}
