@@ -240,9 +240,16 @@ class ClusterConfig:
     rdzv_port: int = MISSING  # 0: a free port per job
     max_restarts: int = MISSING
     node_selector: dict[str, str] = MISSING
+    gpu_type: str | None = MISSING  # "H200": the planner's device (components/devices.py); None: none known
 
     def check(self) -> list[str]:
+        from components.devices import DEVICES, device
+
+        known = ", ".join(d.key for d in DEVICES)
         return failed([
+            ("cluster.gpu_type", self.gpu_type is None or device(self.gpu_type) is not None,
+             f"unknown {self.gpu_type!r}: one of {known}, or null (then preflight.device_memory_gb "
+             "and train.peak_tflops)"),
             ("cluster.nodes", self.nodes >= 1, f"must be >= 1, got {self.nodes}"),
             ("cluster.procs_per_node", self.procs_per_node >= 1, f"must be >= 1, got {self.procs_per_node}"),
             ("cluster.rdzv_port", 0 <= self.rdzv_port <= 65535, f"must be a port or 0, got {self.rdzv_port}"),

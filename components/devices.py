@@ -1,28 +1,65 @@
-"""Published dense peak TFLOP/s of the accelerators liftoff runs on, looked up by device name.
+"""The accelerators liftoff runs on: published dense peak TFLOP/s, memory per GPU and the bus
+bandwidth the planner assumes, looked up by device name (`torch.cuda.get_device_name`) or by
+`cluster.gpu_type` ("H200").
 
-Dense (no 2:4 sparsity) tensor-core figures from the vendors' data sheets. MFU is reported
-against the bf16 peak, as torchtitan and PaLM do, whatever the training precision.
+Peaks: dense (no 2:4 sparsity) tensor-core figures from the vendors' data sheets. MFU is
+reported against the bf16 peak, as torchtitan and PaLM do, whatever the training precision.
+
+Memory: the data sheet's GB per GPU (B200: DGX B200's 1,440 GB over 8), read as 1e9 bytes,
+a little under what torch reports as total memory (H100: 85.0e9), so the planner errs low.
+
+Bus bandwidth (GB/s per GPU, nccl-tests' all-reduce busbw) is an assumption, not a
+measurement: the ring is as fast as its slowest hop, so within one node it is the NVLink /
+Infinity Fabric figure (~90% of one direction's link bandwidth: H100/H200 NVLink 4 450 GB/s ->
+400, B200 NVLink 5 900 -> 800, A100 NVLink 3 300 -> 230, MI300X 7 x 64 GB/s -> 300, PCIe-only
+cards 20-40) and across nodes the network's per GPU (one 400 Gb/s NIC per GPU, as DGX/HGX
+H100, H200, B200 and MI300X nodes have: 50 GB/s; A100 nodes 200 Gb/s: 25; L40S/PCIe
+servers assumed at 100-200 Gb/s). Preflight measures the real figure (`allreduce_busbw_gbps_*`).
 """
 
 from __future__ import annotations
 
-# (substring of torch.cuda.get_device_name, {dtype: dense peak TFLOP/s}); first match wins,
-# so the more specific names come first.
-PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}),
-    ("H100", {"bf16": 989.4, "fp8": 1978.9}),  # SXM
-    ("H200", {"bf16": 989.4, "fp8": 1978.9}),
-    ("GH200", {"bf16": 989.4, "fp8": 1978.9}),
-    ("B200", {"bf16": 2250.0, "fp8": 4500.0}),
-    ("A100", {"bf16": 312.0}),
-    ("L40S", {"bf16": 362.1, "fp8": 733.0}),
-    ("MI300X", {"bf16": 1307.4, "fp8": 2614.9}),
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Device:
+    key: str  # the substring a device name contains
+    peak_tflops: dict[str, float]  # dtype -> dense peak
+    memory_gb: float
+    intra_node_busbw_gbps: float  # assumed all-reduce bus bandwidth per GPU within a node
+    inter_node_busbw_gbps: float  # ... and across nodes (the network per GPU)
+
+
+# First match wins, so the more specific names come first ("GH200" before "H200").
+DEVICES: list[Device] = [
+    Device("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}, 80.0, 40.0, 25.0),
+    Device("H100", {"bf16": 989.4, "fp8": 1978.9}, 80.0, 400.0, 50.0),  # SXM
+    Device("GH200", {"bf16": 989.4, "fp8": 1978.9}, 96.0, 400.0, 50.0),
+    Device("H200", {"bf16": 989.4, "fp8": 1978.9}, 141.0, 400.0, 50.0),
+    Device("B200", {"bf16": 2250.0, "fp8": 4500.0}, 180.0, 800.0, 50.0),
+    Device("A100-SXM4-40GB", {"bf16": 312.0}, 40.0, 230.0, 25.0),
+    Device("A100-PCIE-40GB", {"bf16": 312.0}, 40.0, 25.0, 25.0),
+    Device("A100", {"bf16": 312.0}, 80.0, 230.0, 25.0),
+    Device("L40S", {"bf16": 362.1, "fp8": 733.0}, 48.0, 20.0, 12.5),
+    Device("MI300X", {"bf16": 1307.4, "fp8": 2614.9}, 192.0, 300.0, 50.0),
 ]
+
+
+def device(name: str) -> Device | None:
+    """The table's entry for a device name ("NVIDIA H200", or a `cluster.gpu_type` like "H200")."""
+    for d in DEVICES:
+        if d.key.lower() in name.lower():
+            return d
+    return None
 
 
 def peak_tflops(device_name: str, dtype: str = "bf16") -> float | None:
     """The dense peak for `dtype` of the device whose name contains a known model, else None."""
-    for key, peaks in PEAK_TFLOPS:
-        if key.lower() in device_name.lower():
-            return peaks.get(dtype)
-    return None
+    d = device(device_name)
+    return d.peak_tflops.get(dtype) if d else None
+
+
+def busbw_gbps(d: Device, nodes: int) -> float:
+    """The assumed all-reduce bus bandwidth per GPU of a job over `nodes` nodes."""
+    return d.intra_node_busbw_gbps if nodes == 1 else d.inter_node_busbw_gbps

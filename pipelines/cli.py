@@ -106,21 +106,30 @@ def cmd_artifacts(args: list[str]) -> int:
 
 def cmd_plan(args: list[str]) -> int:
     """Memory, FLOPs and step time for a config, no hardware needed; exit 1 when it cannot fit."""
-    from components.preflight.plan import fits, format_plan, plan_for
+    from components.preflight import plan as planner
 
-    cfg = OmegaConf.to_object(compose(_overrides_only("plan", args)))
-    p, device_gb = plan_for(cfg)
-    safety = cfg.preflight.memory_safety
-    print(format_plan(p, device_gb, safety))
-    if not fits(p, device_gb, safety):
-        print(
-            f"liftoff plan: does not fit: {p.total_gb:.2f} GB per device > {device_gb:.2f} GB x "
-            f"preflight.memory_safety={safety} = {device_gb * safety:.2f} GB",
-            file=sys.stderr,
-        )
-        return 1
-    print(f"fits: {p.total_gb:.3f} GB of {device_gb * safety:.2f} GB per device")
-    return 0
+    overrides = _overrides_only("plan", args)
+    cfg = OmegaConf.to_object(compose(overrides))
+    p, device = planner.plan_for(cfg)
+    source, safety = planner.seq_len_source(overrides), cfg.preflight.memory_safety
+    print(planner.format_inputs(cfg, p, device, source))
+    for warning in planner.plan_warnings(cfg, source):
+        print(f"warning: {warning}")
+    print()
+    print(planner.format_plan(p, device.memory_gb, safety))
+    budget = device.memory_gb * safety
+    if planner.fits(p, device.memory_gb, safety):
+        print(f"fits: {p.total_gb:.3f} GB of {budget:.2f} GB per device")
+        return 0
+    changes = planner.suggest(cfg)
+    print(f"suggestion: {planner.format_suggestion(cfg, changes)}")
+    hint = f"; fits with {' '.join(planner.as_overrides(changes))}" if changes else "; nothing tried fits"
+    print(
+        f"liftoff plan: does not fit: {p.total_gb:.2f} GB per device > {device.memory_gb:.2f} GB x "
+        f"preflight.memory_safety={safety} = {budget:.2f} GB{hint}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _multirun(args: list[str]) -> tuple[bool, list[str]]:

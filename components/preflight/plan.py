@@ -30,16 +30,23 @@ h = hidden, L = layers, a = heads):
   36. With activation checkpointing a checkpointed block keeps only its fp32 input (4·h per
   token), and one block's full activations are live again while it is recomputed in backward.
 - FLOPs per token: 6N + 12·L·a·(h/a)·s (PaLM's MFU accounting).
-- Step time: compute = FLOPs per device per step / achieved TFLOP/s of the compute dtype;
-  communication = DDP all-reduce of 4N gradient bytes: 4N·2(W-1)/W / busbw, or FSDP
-  all-gather (forward + backward) and reduce-scatter: 3·4N·(W-1)/W / busbw. Assumes no
-  overlap (an upper bound). tokens/s = tokens per step / step time; MFU = FLOPs per token ·
-  tokens/s / (peak · W).
+- Step time: compute = (FLOPs per token + the forward recomputed under activation
+  checkpointing: 2·N_blocks + 4·L·a·(h/a)·s per checkpointed block's share) x tokens per
+  device per step / TFLOP/s (preflight: the measured GEMM rate; `liftoff plan`: the device's
+  dense bf16 peak, an upper bound on speed); communication = DDP all-reduce of the fp32
+  gradients, 4N bytes: 2(W-1)/W·4N / busbw, or FSDP: all-gather of the compute-dtype
+  parameters (G = Σ numel x the recipe's copy bytes: 4N fp32, 2N bf16, ~1N fp8) in forward
+  and again in backward for every micro-batch, and one reduce-scatter of the fp32 gradients:
+  (W-1)/W·(2·accum·G + 4N) / busbw (with accum 1 and fp32: 3·(W-1)/W·4N). busbw: preflight's
+  measure, or the per-GPU-type assumption in `components/devices.py` (NVLink within a node,
+  the network across nodes). Assumes no overlap of communication and compute (an upper
+  bound on step time). tokens/s = tokens per step / step time; MFU = FLOPs per token ·
+  tokens/s / (peak · W), so recomputation and communication both bring it under 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from components.config import ModelConfig, Parallelism, TrainConfig
 from components.precision import Recipe, fp8_eligible_dims, recipe
@@ -84,6 +91,7 @@ class Plan:
     activations_gb: float
     total_gb: float
     flops_per_token: float
+    recompute_flops_per_token: float  # the forward activation checkpointing runs again, not in MFU
     step_time_s: float | None
     tokens_per_s: float | None
     mfu: float | None
@@ -140,6 +148,23 @@ def activation_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, recom
     return kept * tokens * 4 * h + (L - kept) * block + head + (block if recompute else 0.0)
 
 
+def checkpointed_blocks(model: ModelConfig, train: TrainConfig) -> int:
+    return -(-model.num_layers // train.ac_every_n_blocks) if train.activation_checkpointing else 0
+
+
+def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: TrainConfig) -> float:
+    """Bytes one rank sends per step before the ring's (W-1)/W: DDP all-reduces the fp32
+    gradients (2 x 4N); FSDP all-gathers the compute-dtype parameters in forward and backward
+    of every micro-batch and reduce-scatters the fp32 gradients once."""
+    n = sum(t[1] for t in tensors)
+    if train.parallelism != Parallelism.fsdp:
+        return 2 * 4 * n
+    gathered = sum(
+        k * precision.copy_bytes(kind in ("linear", "lm_head"), fp8, True, train) for kind, k, fp8 in tensors
+    )
+    return 2 * train.grad_accum_steps * gathered + 4 * n
+
+
 def plan(
     model: ModelConfig,
     train: TrainConfig,
@@ -172,33 +197,35 @@ def plan(
     head_dim = h // a
     n_no_embed = n - (model.vocab_size or 0) * h
     fpt = 6 * n_no_embed + 12 * L * a * head_dim * s
+    n_blocks = sum(k for kind, k, _ in tensors if kind in ("linear", "block_norm"))
+    recompute = checkpointed_blocks(model, train) / L * (2 * n_blocks + 4 * L * a * head_dim * s)
     step = compute = comm = tps = mfu = None
     if tflops:
         tokens_per_device = b * train.grad_accum_steps * s
-        compute = fpt * tokens_per_device / (tflops * 1e12)
+        compute = (fpt + recompute) * tokens_per_device / (tflops * 1e12)
         comm = 0.0
-        if world > 1 and busbw_gbps:
-            factor = 3 * (world - 1) / world if train.parallelism == Parallelism.fsdp else 2 * (world - 1) / world
-            comm = 4 * n * factor / (busbw_gbps * GB)
-        step = compute + comm  # without a measured bus bandwidth, communication is left out
+        if world > 1 and busbw_gbps:  # without a bus bandwidth, communication is left out
+            comm = comm_bytes(tensors, precision, train) * (world - 1) / world / (busbw_gbps * GB)
+        step = compute + comm
         tps = tokens_per_device * world / step
         mfu = fpt * tps / ((peak_tflops or tflops) * 1e12 * world)
     return Plan(
-        n,
-        len(tensors),
-        world,
-        weights / GB,
-        grads / GB,
-        optimizer / GB,
-        copies / GB,
-        acts / GB,
-        total / GB,
-        fpt,
-        step,
-        tps,
-        mfu,
-        compute,
-        comm,
+        params=n,
+        param_tensors=len(tensors),
+        world=world,
+        weights_gb=weights / GB,
+        grads_gb=grads / GB,
+        optimizer_gb=optimizer / GB,
+        precision_copies_gb=copies / GB,
+        activations_gb=acts / GB,
+        total_gb=total / GB,
+        flops_per_token=fpt,
+        recompute_flops_per_token=recompute,
+        step_time_s=step,
+        tokens_per_s=tps,
+        mfu=mfu,
+        compute_s=compute,
+        comm_s=comm,
     )
 
 
@@ -213,14 +240,19 @@ def format_plan(p: Plan, device_memory_gb: float, safety: float) -> str:
         ("activations", f"{p.activations_gb:.3f} GB"),
         ("total per device", f"{p.total_gb:.3f} GB"),
         ("budget per device", f"{device_memory_gb * safety:.3f} GB ({device_memory_gb:.1f} GB x {safety})"),
-        ("FLOPs per token", f"{p.flops_per_token:.4g}"),
-    ]
+        ("FLOPs per token", f"{p.flops_per_token:.4g}"
+         + (f" (+ {p.recompute_flops_per_token:.4g} recomputed)" if p.recompute_flops_per_token else "")),
+    ]  # fmt: skip
     if p.step_time_s is not None:
         rows += [
-            ("step time", f"{p.step_time_s:.4g} s (compute {p.compute_s:.4g} s, comm {p.comm_s:.4g} s)"),
+            ("step time", f"{p.step_time_s:.4g} s (compute {p.compute_s:.4g} s, comm {p.comm_s:.4g} s, no overlap)"),
             ("tokens/s", f"{p.tokens_per_s:,.0f}"),
             ("MFU", f"{p.mfu:.1%}"),
         ]
+    return _rows(rows)
+
+
+def _rows(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -236,11 +268,203 @@ def host_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 
-def plan_for(cfg) -> tuple[Plan, float]:
-    """(the plan for a composed config, the device memory it is judged against) without any
-    hardware: `preflight.device_memory_gb`, else this host's memory."""
+@dataclass
+class PlanDevice:
+    """What a config's plan is judged and timed against, and where each figure comes from."""
+
+    name: str
+    memory_gb: float
+    memory_source: str
+    peak_tflops: float | None
+    peak_source: str
+    busbw_gbps: float | None
+    busbw_source: str
+
+
+def plan_device(cfg) -> PlanDevice:
+    """Device memory: `preflight.device_memory_gb`, else the device table by `cluster.gpu_type`,
+    else this host's RAM. Peak: `train.peak_tflops`, else the table's dense bf16 peak. Bus
+    bandwidth: the table's assumption for one node or for the network across nodes."""
+    from components.devices import busbw_gbps, device
+
+    gpu = cfg.cluster.gpu_type
+    spec = device(gpu) if gpu else None
+    table = f"cluster.gpu_type={gpu} (components/devices.py)"
+    if cfg.preflight.device_memory_gb:
+        memory, memory_source = cfg.preflight.device_memory_gb, "preflight.device_memory_gb"
+    elif spec:
+        memory, memory_source = spec.memory_gb, table
+    else:
+        memory, memory_source = host_memory_gb(), "this host's RAM (cluster.gpu_type is null)"
+    if cfg.train.peak_tflops:
+        peak, peak_source = cfg.train.peak_tflops, "train.peak_tflops"
+    elif spec:
+        peak, peak_source = spec.peak_tflops["bf16"], f"dense bf16, {table}"
+    else:
+        peak, peak_source = None, "unknown: set cluster.gpu_type or train.peak_tflops for step time and MFU"
+    nodes, world = cfg.cluster.nodes, cfg.cluster.nodes * cfg.cluster.procs_per_node
+    if world == 1:
+        busbw, busbw_source = None, "one device: no communication"
+    elif spec:
+        link = "NVLink within one node" if nodes == 1 else "the network across nodes"
+        busbw, busbw_source = busbw_gbps(spec, nodes), f"assumed, {link} ({gpu}, components/devices.py)"
+    else:
+        busbw, busbw_source = None, "unknown without cluster.gpu_type: communication left out"
+    return PlanDevice(gpu or "this host", memory, memory_source, peak, peak_source, busbw, busbw_source)
+
+
+def plan_for(cfg) -> tuple[Plan, PlanDevice]:
+    """The plan for a composed config, without any hardware, and the device it is judged against."""
     vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
     world = cfg.cluster.nodes * cfg.cluster.procs_per_node
-    device_gb = cfg.preflight.device_memory_gb or host_memory_gb()
-    tflops = cfg.train.peak_tflops
-    return plan(cfg.model, cfg.train, world, cfg.data.seq_len, vocab, tflops=tflops, peak_tflops=tflops), device_gb
+    d = plan_device(cfg)
+    p = plan(
+        cfg.model,
+        cfg.train,
+        world,
+        cfg.data.seq_len,
+        vocab,
+        tflops=d.peak_tflops,
+        peak_tflops=d.peak_tflops,
+        busbw_gbps=d.busbw_gbps,
+    )
+    return p, d
+
+
+def seq_len_source(overrides: list[str]) -> str:
+    """Who set data.seq_len: an override, the experiment preset, or the data group."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from components.config import CONF_DIR
+
+    given = dict(o.lstrip("+~").split("=", 1) for o in overrides if "=" in o)
+    if "data.seq_len" in given:
+        return "data.seq_len, your override"
+    defaults = [d for d in OmegaConf.load(CONF_DIR / "config.yaml").defaults if isinstance(d, DictConfig)]
+    chosen = {**{k: v for d in defaults for k, v in d.items()}, **given}
+    preset = CONF_DIR / "experiment" / f"{chosen.get('experiment')}.yaml"
+    if preset.is_file() and "seq_len" in (OmegaConf.load(preset).get("data") or {}):
+        return f"data.seq_len, set by experiment={chosen['experiment']}"
+    return f"data.seq_len, data={chosen.get('data')}"
+
+
+def global_batch(cfg) -> int:
+    return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.cluster.nodes * cfg.cluster.procs_per_node
+
+
+def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
+    t, c = cfg.train, cfg.cluster
+    ac = f"on, every {t.ac_every_n_blocks} block(s)" if t.activation_checkpointing else "off"
+    fp8 = f" ({t.fp8_recipe.value})" if t.precision.value == "fp8" else ""
+    busbw = f"{d.busbw_gbps:g} GB/s per GPU: " if d.busbw_gbps else ""
+    return _rows([
+        ("model", f"{cfg.model.name}: {p.params / 1e9:.3g}B parameters, max_seq_len {cfg.model.max_seq_len}"),
+        ("seq_len", f"{cfg.data.seq_len} ({seq_source})"),
+        ("micro batch", f"{t.micro_batch_size} (train.micro_batch_size)"),
+        ("grad accumulation", f"{t.grad_accum_steps} (train.grad_accum_steps)"),
+        ("world size", f"{p.world} ({c.nodes} nodes x {c.procs_per_node} procs)"),
+        ("global batch", f"{global_batch(cfg):,} sequences, {global_batch(cfg) * cfg.data.seq_len:,} tokens"),
+        ("precision", f"{t.precision.value}{fp8}"),
+        ("parallelism", t.parallelism.value),
+        ("activation ckpt", ac),
+        ("device", d.name),
+        ("device memory", f"{d.memory_gb:.1f} GB: {d.memory_source}"),
+        ("peak", f"{d.peak_tflops:g} TFLOP/s: {d.peak_source}" if d.peak_tflops else d.peak_source),
+        ("bus bandwidth", busbw + d.busbw_source),
+    ])  # fmt: skip
+
+
+def plan_warnings(cfg, seq_source: str) -> list[str]:
+    """Inputs that are likely not what a run of this model would use."""
+    found = []
+    s, full = cfg.data.seq_len, cfg.model.max_seq_len
+    if s < full / 8:
+        found.append(
+            f"seq_len {s} ({seq_source}) is under model.max_seq_len/8 = {full // 8}: "
+            f"model {cfg.model.name} trains at {full}; add data.seq_len={full} to plan at full length"
+        )
+    c = cfg.cluster
+    if c.gpu > c.procs_per_node:
+        found.append(
+            f"cluster.procs_per_node={c.procs_per_node} but cluster.gpu={c.gpu}: "
+            f"{c.gpu - c.procs_per_node} GPU(s) per node idle; cluster.procs_per_node={c.gpu} uses them all"
+        )
+    return found
+
+
+AC, PARALLELISM, MICRO_BATCH = "train.activation_checkpointing", "train.parallelism", "train.micro_batch_size"
+PROCS, NODES = "cluster.procs_per_node", "cluster.nodes"
+
+
+def with_changes(cfg, changes: dict):
+    """The config with `changes` ({"train.parallelism": Parallelism.fsdp, ...}) applied."""
+    groups = {}
+    for key, value in changes.items():
+        group, name = key.split(".")
+        groups.setdefault(group, {})[name] = value
+    return replace(cfg, **{g: replace(getattr(cfg, g), **values) for g, values in groups.items()})
+
+
+def _fits_with(cfg, changes: dict) -> bool:
+    p, d = plan_for(with_changes(cfg, changes))
+    return fits(p, d.memory_gb, cfg.preflight.memory_safety)
+
+
+def _candidates(cfg):
+    """Changes in order of cost, each adding to the last: activation checkpointing on, FSDP
+    instead of DDP, the micro batch halved down to 1, every GPU of a node used, then 2x, 4x,
+    8x and 16x the nodes."""
+    t, c, changes = cfg.train, cfg.cluster, {}
+    if not t.activation_checkpointing:
+        changes[AC] = True
+        yield dict(changes)
+    if t.parallelism != Parallelism.fsdp:
+        changes[PARALLELISM] = Parallelism.fsdp
+        yield dict(changes)
+    b = t.micro_batch_size
+    while b > 1:
+        b //= 2
+        changes[MICRO_BATCH] = b
+        yield dict(changes)
+    if c.gpu > c.procs_per_node:
+        changes[PROCS] = c.gpu
+        yield dict(changes)
+    for factor in (2, 4, 8, 16):
+        changes[NODES] = c.nodes * factor
+        yield dict(changes)
+
+
+def suggest(cfg) -> dict | None:
+    """The first candidate that fits, less the changes it does not need; None when none fits."""
+    found = next((changes for changes in _candidates(cfg) if _fits_with(cfg, changes)), None)
+    if found is None:
+        return None
+    for key in (AC, PARALLELISM, MICRO_BATCH, PROCS):
+        fewer = {k: v for k, v in found.items() if k != key}
+        if key in found and _fits_with(cfg, fewer):
+            found = fewer
+    return found
+
+
+def as_overrides(changes: dict) -> list[str]:
+    def text(v) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(getattr(v, "value", v))
+
+    return [f"{k}={text(v)}" for k, v in changes.items()]
+
+
+def format_suggestion(cfg, changes: dict | None) -> str:
+    if changes is None:
+        return (
+            f"nothing fits up to {cfg.cluster.nodes * 16} nodes with activation checkpointing, FSDP and micro batch 1:"
+            " a smaller model or a shorter data.seq_len"
+        )
+    changed = with_changes(cfg, changes)
+    p, d = plan_for(changed)
+    budget = d.memory_gb * cfg.preflight.memory_safety
+    batch = global_batch(cfg), global_batch(changed)
+    batch_note = f", global batch {batch[0]:,} -> {batch[1]:,} sequences" if batch[0] != batch[1] else ""
+    return (
+        f"{' '.join(as_overrides(changes))}  ({p.world} devices, {p.total_gb:.2f} of {budget:.2f} GB per device"
+        f"{batch_note})"
+    )

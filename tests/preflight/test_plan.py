@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from components.config import compose, defaults
-from components.preflight.plan import fits, plan
+from components.devices import device
+from components.preflight.plan import fits, plan, plan_for
 from components.train.model import build_model
 from components.train.optim import build_optimizer
 from pipelines.cli import main
@@ -112,3 +115,108 @@ def test_70b_on_one_80gb_device_does_not_fit(capsys):
 def test_plan_command_passes_for_the_tiny_model(capsys):
     assert main(["plan", "preflight.device_memory_gb=1"]) == 0
     assert "fits" in capsys.readouterr().out
+
+
+def _cfg(*overrides: str):
+    return OmegaConf.to_object(compose(list(overrides)))
+
+
+def test_plan_prints_its_inputs_and_warns_of_the_tiny_experiments_seq_len(capsys):
+    main(["plan", "model=70b"])
+    out = capsys.readouterr().out
+    for row in [
+        r"seq_len\s+64 \(data.seq_len, set by experiment=tiny\)",
+        r"micro batch\s+8 ",
+        r"grad accumulation\s+1 ",
+        r"world size\s+2 \(2 nodes x 1 procs\)",
+        r"precision\s+fp8",
+        r"parallelism\s+ddp",
+        r"activation ckpt\s+on",
+        r"device memory\s+[\d.]+ GB: this host's RAM",
+    ]:
+        assert re.search(f"^{row}", out, re.M), row
+    assert "warning: seq_len 64" in out and "data.seq_len=4096" in out
+    main(["plan", "model=70b", "data.seq_len=4096"])
+    out = capsys.readouterr().out
+    assert re.search(r"^seq_len\s+4096 \(data.seq_len, your override\)", out, re.M) and "warning: seq_len" not in out
+
+
+def test_gpu_type_gives_device_memory_from_the_table_and_says_so(capsys):
+    assert main(["plan", "cluster=kubernetes", "cluster.gpu_type=H200"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^device memory\s+141.0 GB: cluster.gpu_type=H200", out, re.M)
+    assert "126.900 GB (141.0 GB x 0.9)" in out and re.search(r"^peak\s+989.4 TFLOP/s", out, re.M)
+    assert "cluster.procs_per_node=8 uses them all" in out  # the tiny experiment's 1 process per 8-GPU node
+    _, device = plan_for(_cfg("cluster=kubernetes", "cluster.gpu_type=B200"))
+    assert device.memory_gb == 180
+    _, device = plan_for(_cfg("cluster=kubernetes", "preflight.device_memory_gb=70"))  # the config's figure wins
+    assert device.memory_gb == 70 and device.memory_source == "preflight.device_memory_gb"
+
+
+def test_an_unknown_gpu_type_is_a_config_error(capsys):
+    assert main(["plan", "cluster.gpu_type=T4"]) == 2
+    assert "cluster.gpu_type: unknown 'T4'" in capsys.readouterr().err
+
+
+def test_device_names_find_their_own_entry():
+    assert device("NVIDIA GH200 480GB").memory_gb == 96 and device("NVIDIA H200").memory_gb == 141
+    assert device("NVIDIA A100-SXM4-40GB").memory_gb == 40 and device("A100").memory_gb == 80
+    assert device("NVIDIA H100 PCIe").inter_node_busbw_gbps < device("H100").intra_node_busbw_gbps
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=70b", "cluster=kubernetes", "data.seq_len=4096"],
+        ["model=7b", "cluster=kubernetes", "cluster.nodes=1", "cluster.procs_per_node=8", "data.seq_len=4096",
+         "train.activation_checkpointing=false", "train.precision=bf16"],
+        ["model=70b", "preflight.device_memory_gb=80"],
+    ],
+)  # fmt: skip
+def test_the_suggestion_fits_when_applied_and_needs_each_change(capsys, overrides):
+    assert main(["plan", *overrides]) == 1
+    captured = capsys.readouterr()
+    [line] = [ln for ln in captured.out.splitlines() if ln.startswith("suggestion: ")]
+    suggested = line.removeprefix("suggestion: ").split("  ")[0].split()
+    assert captured.err.count("\n") == 1 and f"fits with {' '.join(suggested)}" in captured.err
+    p, device = plan_for(_cfg(*overrides, *suggested))
+    assert fits(p, device.memory_gb, 0.9)
+    for dropped in suggested:
+        if not dropped.startswith("cluster.nodes="):
+            p, device = plan_for(_cfg(*overrides, *(s for s in suggested if s != dropped)))
+            assert not fits(p, device.memory_gb, 0.9), f"{dropped} is not needed"
+
+
+def test_nothing_fits_says_so(capsys):
+    assert main(["plan", "model=70b", "preflight.device_memory_gb=1"]) == 1
+    captured = capsys.readouterr()
+    assert "suggestion: nothing fits up to 32 nodes" in captured.out and "nothing tried fits" in captured.err
+
+
+FSDP_70B = ["model=70b", "cluster=kubernetes", "cluster.procs_per_node=8", "data.seq_len=4096",
+            "train.parallelism=fsdp", "train.micro_batch_size=1"]  # fmt: skip
+
+
+def test_communication_grows_with_nodes():
+    comm = [plan_for(_cfg(*FSDP_70B, f"cluster.nodes={n}"))[0].comm_s for n in (1, 2, 4, 8, 16)]
+    assert 0 < comm[0] < comm[1] < comm[2] < comm[3] < comm[4]  # NVLink within a node, then the network
+
+
+def test_128_way_fsdp_spends_time_communicating():
+    p, device = plan_for(_cfg(*FSDP_70B, "cluster.nodes=16"))
+    assert p.world == 128 and device.busbw_gbps and p.comm_s > 0 and p.step_time_s > p.compute_s
+    assert 0 < p.mfu < 1
+    # only model FLOPs at the device's peak, nothing recomputed, nothing communicated: MFU 1
+    alone, _ = plan_for(_cfg("cluster=kubernetes", "cluster.nodes=1", "cluster.procs_per_node=1",
+                             "train.activation_checkpointing=false"))  # fmt: skip
+    assert alone.comm_s == 0 and alone.mfu == pytest.approx(1.0)
+
+
+def test_fsdp_all_gathers_at_the_compute_dtype():
+    cfg = _cfg("model=1b")
+    comm = {
+        precision: plan(cfg.model, defaults("train", parallelism="fsdp", precision=precision), 16, 2048,
+                        tflops=100.0, busbw_gbps=50.0).comm_s
+        for precision in ("fp32", "bf16", "fp8")
+    }  # fmt: skip
+    assert comm["fp8"] < comm["bf16"] < comm["fp32"]
