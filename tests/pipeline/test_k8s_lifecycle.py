@@ -79,14 +79,18 @@ def test_a_driver_stopped_while_it_follows_the_job_cancels_the_vcjob(launch_on, 
         if reads == 2:  # the job exists and the driver is following it
             os.kill(os.getpid(), signum)
 
-    # SIGTERM's default would end pytest; a driver without its own handler ignores it here
+    # SIGTERM's default would end pytest; a driver without its own handler ignores it here.
+    # SIGINT raises KeyboardInterrupt (Python's own handler: an earlier local TorchX run in this
+    # process may have installed TorchX's, which raises its SignalException instead)
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with FakeK8s(running_polls=6, on_status_read=stop) as api:
             with pytest.raises(stopped_by):
                 run_once(launch_on(api), {})
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     (created,) = api.jobs
     assert [(name, body["status"]["state"]["phase"]) for name, body in api.status_updates] == [(created, "Aborted")]
     assert ("batch.volcano.sh", "jobs/status", "update") in api.calls
