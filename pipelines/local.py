@@ -67,8 +67,10 @@ def run_local(cfg: DictConfig) -> dict:
 def local_parameters(groups: dict[str, dict]) -> dict[str, dict]:
     """The pipeline's parameters for a run on this machine: the paths that stand for shared
     places (the local store standing in for MinIO, the run folders) made absolute, since every
-    task runs in a directory of its own."""
+    task runs in a directory of its own; so are relative data paths (`corpus/kjv.jsonl`), which
+    in a stage's image are relative to its working directory, the checkout's copy."""
     groups = {g: dict(values) for g, values in groups.items()}
+    groups["data"]["paths"] = [str(Path(p).expanduser().resolve()) for p in groups["data"]["paths"]]
     if groups["store"]["backend"] == "local":
         groups["store"]["root"] = str(Path(groups["store"]["root"]).resolve())
     groups["train"]["run_dir"] = str(Path(groups["train"]["run_dir"]).resolve())
