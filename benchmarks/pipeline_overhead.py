@@ -22,7 +22,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [str(Path(sys.executable).parent / "liftoff"), "run", f"data.paths=[{CORPUS}]"],
+            # -v: every stage's own lines (its `liftoff-stage` line among them) on stdout
+            [str(Path(sys.executable).parent / "liftoff"), "run", "-v", f"data.paths=[{CORPUS}]"],
             cwd=tmp,
             capture_output=True,
             text=True,

@@ -29,6 +29,12 @@ PLUGIN_ENV = "LIFTOFF_WORKER_PLUGIN"
 PLUGIN_ARGS_ENV = "LIFTOFF_WORKER_PLUGIN_ARGS"  # the plugin's own settings (which faults), as JSON
 
 
+# Warnings the replicas print on every launch with nothing to act on, filtered in the replicas
+# (declared in their environment, on Kubernetes as locally): DDP's deprecation of the
+# `broadcast_buffers` argument, whose replacement changes what it means (components/train/parallel.py).
+QUIET_WARNINGS = "ignore:`broadcast_buffers` is deprecated:FutureWarning"
+
+
 class LaunchError(RuntimeError):
     pass
 
@@ -156,7 +162,13 @@ def build_app(module: str, spec: WorkerSpec, cluster: ClusterConfig, name: str, 
         gpu=cluster.gpu,
         memMB=cluster.mem_mb,
         rdzv_port=port,
-        env={"OMP_NUM_THREADS": str(threads_per_process(cluster)), "LOGLEVEL": "WARNING", **plugin_env(), **env},
+        env={
+            "OMP_NUM_THREADS": str(threads_per_process(cluster)),
+            "LOGLEVEL": "WARNING",
+            "PYTHONWARNINGS": QUIET_WARNINGS,
+            **plugin_env(),
+            **env,
+        },
     )
     role = app.roles[0]
     if cluster.scheduler == Scheduler.local_cwd:

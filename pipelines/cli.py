@@ -138,24 +138,60 @@ def _multirun(args: list[str]) -> tuple[bool, list[str]]:
 
 
 def cmd_run(args: list[str]) -> int:
-    """The whole DAG locally through kfp.local; `-m` sweeps and ends with a table."""
-    from pipelines.local import expand_sweep, print_summary, run_local
+    """The whole DAG locally through kfp.local: a status line per stage, then where everything
+    is; `-v` streams every process's log as well; `-m` sweeps and ends with a table."""
+    from pipelines.local import display_path, expand_sweep, multirun_folder, new_run_folder, run_local
+    from pipelines.progress import summary_lines
 
-    multi, args = _multirun(args)
+    verbose = "-v" in args or "--verbose" in args
+    multi, args = _multirun([a for a in args if a not in ("-v", "--verbose")])
     overrides = _overrides_only("run", args)
     jobs = expand_sweep(overrides) if multi else [overrides]
     configs = [compose(job) for job in jobs]  # every job's config is checked before the first runs
+    sweep = multirun_folder() if multi else None
     rows = []
-    for job, cfg in zip(jobs, configs, strict=True):
-        print(f"== liftoff run {' '.join(job)}", flush=True)
-        result = run_local(cfg)
-        print_summary(result)
-        rows.append((job, result["metrics"]))
+    for i, (job, cfg) in enumerate(zip(jobs, configs, strict=True)):
+        folder = new_run_folder(cfg, job, sweep / str(i) if sweep else None)
+        print(f"== {' '.join(['liftoff run', *job])}  ({display_path(folder)})", flush=True)
+        known = _model_refs(cfg)
+        result = run_local(cfg, folder, verbose)
+        for line in summary_lines(result):
+            print(line)
+        rows.append((job, result, _model_ref(result) in known))
     if multi:
-        print("\n| job | overrides | val loss | val perplexity |\n|---|---|---|---|")
-        for i, (job, m) in enumerate(rows):
-            print(f"| {i} | {' '.join(job) or '(defaults)'} | {m['val_loss']:.4f} | {m['val_perplexity']:.2f} |")
+        table = _sweep_table(rows)
+        (sweep / "sweep.md").write_text("\n".join(table) + "\n")
+        print("\n" + "\n".join(table))
     return 0
+
+
+def _model_refs(cfg) -> set[str]:
+    """The model versions in the store before a job runs: one it ends with again was reused."""
+    from components.store import open_store
+
+    return {str(m.ref) for m in open_store(OmegaConf.to_object(cfg.store)).ls("model")}
+
+
+def _model_ref(result: dict) -> str | None:
+    train = result["stages"].get("train")
+    return train.outputs.get("Output") if train is not None else None
+
+
+def _sweep_table(rows: list) -> list[str]:
+    """One row per job: its overrides, model version, train and val loss, throughput, wall time,
+    and whether its model was already in the store (reused from an earlier run)."""
+    head = "| job | overrides | model | train loss | val loss | val perplexity | tokens/s | wall s | reused |"
+    lines = [head, "|---" * 9 + "|"]
+    for i, (job, result, reused) in enumerate(rows):
+        m = result["metrics"]
+        train = result["stages"].get("train")
+        t = dict(getattr(train.outputs.get("metrics"), "metadata", None) or {}) if train is not None else {}
+        model = (_model_ref(result) or "-").split("@")[-1]
+        cells = [str(i), " ".join(job) or "(defaults)", model, f"{t.get('final_loss', float('nan')):.4f}"]
+        cells += [f"{m['val_loss']:.4f}", f"{m['val_perplexity']:.2f}", f"{t.get('tokens_per_s', 0):,.0f}"]
+        cells += [f"{result['seconds']:.0f}", "yes (same model as before)" if reused else "no"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def cmd_compile(args: list[str]) -> int:

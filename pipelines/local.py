@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
+import re
 import time
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from components.config import group_dicts
+from components.config import CONF_DIR, group_dicts
 from components.local_pod import TASK_ROOT_ENV
 from components.store import Ref, open_store
+from pipelines.progress import Console, StageLines, display_path, keep_outputs, plain, watch_stages
 
 LOCAL_ROOT = Path("local_outputs")
+LOG_NAME = "run.log"  # in the run's folder: everything the run's processes printed
 
 
 class RunFailed(RuntimeError):
-    """A stage failed; the message names it (its log is above)."""
+    """A stage failed; the message names it, its cause and the run's full log."""
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
@@ -35,58 +38,107 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(job) for job in itertools.product(*choices)]
 
 
-def run_local(cfg: DictConfig) -> dict:
-    """The whole DAG through kfp.local (SubprocessRunner, current interpreter, caching on)."""
+def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False) -> dict:
+    """The whole DAG through kfp.local (SubprocessRunner, current interpreter, caching on).
+    What every process of the run prints goes to `folder`/run.log (and, `verbose`, to the
+    terminal); the terminal gets one status line per stage as it starts and ends."""
     import kfp.local
 
     from pipelines.pretrain import build_pipeline
 
     store = open_store(OmegaConf.to_object(cfg.store))  # an unreachable store fails here, before any stage
+    folder = folder or new_run_folder(cfg, [])
+    log_path = folder / LOG_NAME
     root = LOCAL_ROOT.resolve()
     kfp.local.init(
         runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp"), enable_caching=True
     )
     os.environ[TASK_ROOT_ENV] = str(root / "tasks")  # each task in its own directory, as in its own pod
     t0 = time.perf_counter()
-    try:
-        task = build_pipeline(cfg)(**local_parameters(group_dicts(cfg)))
-    except RuntimeError as e:
-        raise RunFailed(f"the pipeline failed: {str(e).splitlines()[0]} (the stage's log is above)") from None
+    with Console(log_path, verbose) as console, warnings.catch_warnings():
+        # kfp.local warns on every task that the stage image is not a Python image: it runs
+        # the tasks in this interpreter (SubprocessRunner) and never pulls the image
+        warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom or non-Python")
+        stages = StageLines(cfg, console.say)
+        with watch_stages(stages.start, stages.end, console.sync):
+            try:
+                task = build_pipeline(cfg)(**local_parameters(group_dicts(cfg)))
+            except RuntimeError as e:
+                failed, where = stages.failed, f"(full log: {display_path(log_path)})"
+                if failed is None:
+                    raise RunFailed(f"{plain(str(e).splitlines()[0])} {where}") from None
+                cause = failed.cause or "its process ended without a Python exception"
+                raise RunFailed(f"stage {failed.name} failed: {cause} {where}") from None
     eval_ref = task.output if isinstance(task.output, str) else task.outputs["Output"]
     evaluation = store.manifest(Ref.parse(eval_ref))
-    lineage = store.lineage(evaluation.ref)
     return {
         "eval": eval_ref,
         "metrics": evaluation.metadata["metrics"],
-        "lineage": lineage,
+        "lineage": store.lineage(evaluation.ref),
         "seconds": time.perf_counter() - t0,
         "kfp_root": str(root / "kfp"),
+        "cfg": cfg,
+        "folder": folder,
+        "log": log_path,
+        "stages": stages.ends,
+        "files": keep_outputs(folder, stages.ends, Path(cfg.train.run_dir), t0),
     }
+
+
+def new_run_folder(cfg: DictConfig, overrides: list[str], folder: Path | None = None) -> Path:
+    """A run's folder, as Hydra names one: `<train.run_dir>/<experiment>/<date>_<time>_<short
+    overrides>/` (a sweep job's is given: `multirun/<date>/<time>/<job>/`), holding the composed
+    config and the overrides in `.hydra/`."""
+    if folder is None:
+        name = time.strftime("%Y-%m-%d_%H-%M-%S") + (f"_{short_overrides(overrides)}" if overrides else "")
+        folder = Path(cfg.train.run_dir) / experiment_of(overrides) / name
+        for n in itertools.count(1):
+            if not folder.exists():
+                break
+            folder = folder.with_name(f"{name}-{n}")
+    (folder / ".hydra").mkdir(parents=True, exist_ok=True)
+    (folder / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (folder / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+    return folder
+
+
+def multirun_folder() -> Path:
+    """A sweep's folder, as Hydra's: `multirun/<date>/<time>/`; its jobs are `0/`, `1/`, ..."""
+    return Path("multirun") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
+
+
+def experiment_of(overrides: list[str]) -> str:
+    """The `experiment` option the composed config used (Hydra's runtime choices)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    return str(composed.hydra.runtime.choices.get("experiment") or "default")
+
+
+def short_overrides(overrides: list[str], limit: int = 48) -> str:
+    """`train.lr=1e-3 data.paths=[/a/b.jsonl]` -> `lr=1e-3,paths=b.jsonl`: a folder name
+    TensorBoard and `ls` can tell runs apart by."""
+    parts = []
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        value = ",".join(Path(v.strip()).name or v for v in value.strip("[]").split(","))
+        parts.append(re.sub(r"[^\w.,=+-]", "_", f"{key.rsplit('.', 1)[-1]}={value}"))
+    name = ",".join(parts)
+    return name if len(name) <= limit else name[:limit].rsplit(",", 1)[0]  # whole overrides only
 
 
 def local_parameters(groups: dict[str, dict]) -> dict[str, dict]:
     """The pipeline's parameters for a run on this machine: the paths that stand for shared
     places (the local store standing in for MinIO, the run folders) made absolute, since every
-    task runs in a directory of its own."""
+    task runs in a directory of its own; so are relative data paths (`corpus/kjv.jsonl`), which
+    in a stage's image are relative to its working directory, the checkout's copy."""
     groups = {g: dict(values) for g, values in groups.items()}
+    groups["data"]["paths"] = [str(Path(p).expanduser().resolve()) for p in groups["data"]["paths"]]
     if groups["store"]["backend"] == "local":
         groups["store"]["root"] = str(Path(groups["store"]["root"]).resolve())
     groups["train"]["run_dir"] = str(Path(groups["train"]["run_dir"]).resolve())
     return groups
-
-
-def flatten_lineage(node: dict) -> list[str]:
-    out = [node["ref"]]
-    for parent in node["parents"]:
-        out += [r for r in flatten_lineage(parent) if r not in out]
-    return out
-
-
-def print_summary(result: dict) -> None:
-    print("\nartifacts:", file=sys.stdout)
-    for ref in flatten_lineage(result["lineage"]):
-        print(f"  {ref}")
-    print("metrics:")
-    for name, value in result["metrics"].items():
-        print(f"  {name}: {value:.6g}")
-    print(f"kfp.local outputs: {result['kfp_root']}  ({result['seconds']:.0f}s)")

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from components.config import StoreBackend, defaults
-from components.launcher import Launch, LaunchError, run_app
+from components.launcher import QUIET_WARNINGS, Launch, LaunchError, run_app
 from tests.conftest import ROOT, S3_ACCESS_KEY, S3_SECRET_KEY, Trainer
 from tests.faults import injected
 from tests.pod_probe import ProbeSpec
@@ -45,6 +45,7 @@ def test_each_node_has_its_own_directory_and_only_its_declared_environment(tmp_p
         # the store's keys arrive as a Secret would put them, not inherited from the driver
         assert env["MINIO_ACCESS_KEY"] == S3_ACCESS_KEY and env["MINIO_SECRET_KEY"] == S3_SECRET_KEY
         assert env["NODE_NAME"].endswith(f"-node{node}") and env["OMP_NUM_THREADS"] == "1"
+        assert env["PYTHONWARNINGS"] == QUIET_WARNINGS  # declared, as on Kubernetes
     assert not (tmp_path / "nodes" / "secret.json").exists()  # the Secret's stand-in is gone after the job
 
 

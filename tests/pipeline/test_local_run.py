@@ -31,17 +31,30 @@ def executed(out: str) -> list[str]:
     return re.findall(r"Executing task \S*'(\w+)'", out)
 
 
+def run_logs(root) -> str:
+    """Every run's full log under `root` (kfp.local's and the replicas' lines), oldest first."""
+    return "".join(p.read_text() for p in sorted(root.rglob("run.log"), key=lambda p: p.stat().st_mtime))
+
+
 def test_sweep_runs_every_job_tokenizes_once_and_reruns_only_what_changed(in_tmp, capfd, caplog):
     caplog.set_level("INFO")
     assert main(["run", "-m", *FAST, "train.lr=1e-3,3e-3"]) == 0
-    captured = capfd.readouterr()
-    out = captured.out + captured.err + caplog.text
-    assert executed(out).count("tokenize") == 1  # the second job's tokenize is a cache hit
-    assert "Task tokenize cache hit" in out
-    assert executed(out).count("train") == 2 and executed(out).count("validate") == 2
-    assert executed(out).count("evaluate") == 2 and executed(out).count("preflight") == 2
-    table = [line for line in out.splitlines() if re.match(r"\| [01] \|", line)]
-    assert len(table) == 2 and "train.lr=0.001" in table[0] and "train.lr=0.003" in table[1]
+    out = capfd.readouterr().out
+    (sweep,) = (in_tmp / "multirun").glob("*/*")  # multirun/<date>/<time>/, one folder per job
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    assert "train.lr=0.003" in (sweep / "1" / ".hydra" / "overrides.yaml").read_text()
+    logs = run_logs(sweep)
+    assert executed(logs).count("tokenize") == 1  # the second job's tokenize is a cache hit
+    assert "Task tokenize cache hit" in caplog.text and re.search(r"^\s+cached [\d.]+ s, dataset/kjv@", out, re.M)
+    assert executed(logs).count("train") == 2 and executed(logs).count("validate") == 2
+    assert executed(logs).count("evaluate") == 2 and executed(logs).count("preflight") == 2
+    header = "| job | overrides | model | train loss | val loss | val perplexity | tokens/s | wall s | reused |"
+    assert header in out and (sweep / "sweep.md").read_text().startswith(header)
+    table = [line.split(" | ") for line in out.splitlines() if re.match(r"\| [01] \|", line)]
+    assert len(table) == 2 and "train.lr=0.001" in table[0][1] and "train.lr=0.003" in table[1][1]
+    for row in table:
+        assert re.fullmatch(r"[0-9a-f]{16}-\w+", row[2]) and float(row[3]) > 0 and row[-1] == "no |"
+    assert table[0][2] != table[1][2]  # two learning rates, two models
     assert main(["artifacts", "ls", "dataset"]) == 0
     assert len([ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("dataset/")]) == 1
 
@@ -49,8 +62,8 @@ def test_sweep_runs_every_job_tokenizes_once_and_reruns_only_what_changed(in_tmp
 def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     assert main(["run", *FAST]) == 0
     out = capfd.readouterr().out
-    assert "val_perplexity:" in out and "artifacts:" in out
-    model_ref = re.search(r"^  (model/tiny@[\w-]+)$", out, re.M).group(1)
+    assert "val_perplexity:" in out and "artifacts (each <- what it was made from):" in out
+    model_ref = re.search(r"^  (model/tiny@[\w-]+)  <- ", out, re.M).group(1)
     assert main(["artifacts", "show", model_ref]) == 0
     shown = capfd.readouterr().out
     assert re.search(r"^      checkpoint/tiny@\w+-step10", shown, re.M)  # the lineage tree, under the model
@@ -64,13 +77,15 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     trained = store.manifest(Ref.parse(model_ref)).metadata
     assert trained["world"] == 2 and trained["float8_linear_count"] == 14
     assert trained["wrapped_modules"]["activation_checkpoint"] == 2
-    # a new kfp.local root (as on a fresh machine) still finds the dataset in the store
+    # a new kfp.local root (as on a fresh machine) still finds the dataset in the store; run as a
+    # one-job sweep, its table flags the model as the one the first run made
     import shutil
 
     shutil.rmtree(in_tmp / "local_outputs")
-    assert main(["run", *FAST]) == 0
-    captured = capfd.readouterr()
-    assert "reusing it, no tokenization" in captured.out + captured.err
+    assert main(["run", "-m", *FAST]) == 0
+    assert "reusing it, no tokenization" in run_logs(in_tmp / "multirun")
+    row = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("| 0 |"))
+    assert model_ref.split("@")[1] in row and row.endswith("| yes (same model as before) |")
 
 
 def test_run_with_minio_over_http(in_tmp, s3_env, capfd):

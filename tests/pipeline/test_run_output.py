@@ -1,0 +1,109 @@
+"""What `liftoff run` prints, as a user runs it (a subprocess, stdout and stderr not a TTY):
+a status line per stage and a summary ending with the report, the full logs in the run's
+folder (or streamed with -v), and a stage failure as one line on stderr."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import ROOT
+from tests.pipeline.test_local_run import FAST
+
+
+def liftoff(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "pipelines.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("liftoff-run")
+
+
+# as `make run` names the shipped corpus: relative to the checkout (every KFP task runs in a
+# directory of its own; `liftoff run` hands them the path made absolute)
+RELATIVE = ["data.paths=[corpus/kjv.jsonl]", *(o for o in FAST if not o.startswith("data.paths="))]
+
+
+@pytest.fixture(scope="module")
+def default_run(workdir) -> subprocess.CompletedProcess:
+    """One quiet run; the failure tests below run in the same directory and reuse its dataset."""
+    (workdir / "corpus").symlink_to(ROOT / "corpus")
+    proc = liftoff(workdir, "run", *RELATIVE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_a_run_prints_a_status_line_per_stage_and_ends_with_the_report(default_run, workdir):
+    lines = default_run.stdout.splitlines()
+    assert len(lines) <= 120, default_run.stdout
+    assert "\x1b[" not in default_run.stdout and "executor_input" not in default_run.stdout
+    assert "Traceback" not in default_run.stderr
+    for i, stage in enumerate(["tokenize", "preflight", "train", "validate", "evaluate"], 1):
+        assert any(ln.startswith(f"[{i}/5] {stage} ... ") for ln in lines), stage
+    assert any(ln.startswith("[3/5] train ... 2 nodes, fp8") and ln.endswith("10 steps") for ln in lines)
+    assert re.search(r"^\s+ok [\d.]+ s, loss [\d.]+ -> [\d.]+", default_run.stdout, re.M)
+    assert re.search(r"^\s+step 10/10 ", default_run.stdout, re.M)  # the step lines still show
+    assert re.search(r"^\s+node\s+verdict\s+", default_run.stdout, re.M)  # preflight's verdict table
+    report = workdir / lines[-1].removeprefix("report: ")
+    assert lines[-1].startswith("report: ") and report.suffix == ".html" and report.is_file()
+    folder = r"^run folder: runs/tiny/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_paths=kjv.jsonl,steps=10,"
+    assert re.search(folder, default_run.stdout, re.M)
+
+
+def test_the_run_folder_keeps_the_config_overrides_and_full_log(default_run, workdir):
+    from components.config import compose
+
+    (folder,) = (workdir / "runs" / "tiny").iterdir()
+    assert (folder / ".hydra" / "config.yaml").read_text() == OmegaConf.to_yaml(compose(RELATIVE))
+    assert OmegaConf.to_container(OmegaConf.load(folder / ".hydra" / "overrides.yaml")) == RELATIVE
+    log = (folder / "run.log").read_text()
+    assert "Executing task" in log and "executor_input" in log and "[train-" in log
+    assert (folder / "train_curves.html").is_file() and (folder / "preflight.md").is_file()
+    assert any((folder / "tensorboard").glob("events.*"))
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "\x1b[" not in proc.stderr + proc.stdout
+    assert re.search(r"full log: (\S+run\.log)\)$", err[0])
+    return err[0]
+
+
+def test_a_missing_data_file_is_one_line_naming_it(tmp_path):
+    err = one_error_line(liftoff(tmp_path, "run", *RELATIVE[1:], "data.paths=[/nonexistent.jsonl]"))
+    assert "stage tokenize failed" in err and "/nonexistent.jsonl" in err
+    log = tmp_path / re.search(r"full log: (\S+)\)$", err).group(1)
+    assert log.is_file() and "Traceback" in log.read_text()
+
+
+def test_the_preflight_gate_is_one_line_and_v_streams_the_logs(default_run, workdir):
+    proc = liftoff(workdir, "run", "-v", *FAST, "preflight.device_memory_gb=0.0001")
+    err = one_error_line(proc)
+    assert "stage preflight failed: PreflightFailed: preflight failed: planned memory" in err
+    assert "Executing task" in proc.stdout and "[preflight-" in proc.stdout  # kfp.local's and the replicas' lines
+
+
+def test_a_training_failure_is_one_line_with_its_cause(default_run, workdir):
+    err = one_error_line(liftoff(workdir, "run", *FAST, "train.resume=no-such-version"))
+    assert "stage train failed: ResumeError: train.resume=no-such-version: no checkpoint/tiny@no-such-version" in err
+
+
+def test_known_library_noise_is_filtered_where_it_is_logged():
+    """torchao's missing optional GPU kernels and torch's Enum deprecation, logged on every
+    import of torchao, are dropped by `components`' logger filters; other records still show."""
+    code = "import components, logging, torchao.float8; logging.getLogger('torchao').warning('still shown')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "_C_mxfp8" not in proc.stderr and "is an Enum subclass" not in proc.stderr
+    assert "still shown" in proc.stderr
