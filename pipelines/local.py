@@ -57,6 +57,7 @@ def run_local(cfg: DictConfig) -> dict:
     lineage = store.lineage(evaluation.ref)
     return {
         "eval": eval_ref,
+        "report": str(store.fetch(evaluation) / "report.html"),  # kfp.local's copy has no extension
         "metrics": evaluation.metadata["metrics"],
         "lineage": lineage,
         "seconds": time.perf_counter() - t0,
@@ -90,3 +91,4 @@ def print_summary(result: dict) -> None:
     for name, value in result["metrics"].items():
         print(f"  {name}: {value:.6g}")
     print(f"kfp.local outputs: {result['kfp_root']}  ({result['seconds']:.0f}s)")
+    print(f"eval report: {result['report']}")
