@@ -146,6 +146,12 @@ def test_killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, setup
         assert clean.result.forward_dtypes == {"norm_weight": "torch.float32"}
     starts = events(killed.metrics, "start")
     assert len(starts) == 2 and starts[1]["step"] == 10 and starts[1]["resumed_from"].endswith("step-10")
+    # the relaunch replaced the run's event file: still one, steps 11-14 (trained twice) once each
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = list((killed.run_dir / "nodes" / "0" / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(tb) == 1
+    assert [e.step for e in EventAccumulator(str(tb[0])).Reload().Scalars("train/loss")] == list(range(1, 31))
     a, b = final_weights(clean), final_weights(killed)
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
