@@ -8,7 +8,7 @@ SWEEP  ?= train.lr=1e-3,3e-3
 IMAGE  ?= ghcr.io/liftoff/liftoff
 TORCH_VARIANT ?= cuda
 
-.PHONY: install run test chaos lint compile upload sweep submit bench images clean
+.PHONY: install browser run test chaos lint compile upload sweep submit bench images clean
 
 install: $(STAMP)
 
@@ -20,10 +20,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# Debian's headless Chromium for the eval report's screenshot test; once per machine (root, or sudo).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
+		echo "installing chromium (Debian package) for the report screenshot test"; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null; }
+
 run: install            ## the tiny CPU experiment, all five stages through kfp.local
 	$(BIN)/liftoff run $(ARGS)
 
-test: install           ## the test suite (fast chaos tests included)
+test: install browser   ## the test suite (fast chaos tests included)
 	$(BIN)/python -m pytest -q -m "not chaos_slow" $(ARGS)
 
 chaos: install          ## every chaos test, then the summary table

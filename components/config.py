@@ -155,6 +155,7 @@ class TrainConfig:
     checkpoint_dir: str | None = MISSING  # None: <run_dir>/<identity>/checkpoints; shared storage in a cluster
     loss_scaling: bool = MISSING  # dynamic loss scaling (GradScaler); for fp16-range gradients
     log_interval: int = MISSING
+    val_interval: int = MISSING  # steps between val-loss measurements on fixed held-out blocks; 0 = off
     max_bad_steps: int = MISSING  # consecutive non-finite steps before rolling back
     loss_spike_factor: float = MISSING
     straggler_interval: int = MISSING
@@ -173,6 +174,7 @@ class TrainConfig:
                 ("train.lr", self.lr > 0, f"must be > 0, got {self.lr}"),
                 ("train.min_lr", 0 <= self.min_lr <= self.lr, f"{self.min_lr} must be in [0, train.lr={self.lr}]"),
                 ("train.grad_clip", self.grad_clip >= 0, f"must be >= 0 (0 disables), got {self.grad_clip}"),
+                ("train.val_interval", self.val_interval >= 0, f"must be >= 0 (0 disables), got {self.val_interval}"),
                 ("train.watchdog_timeout_s", self.watchdog_timeout_s > 0,
                  f"must be > 0, got {self.watchdog_timeout_s}"),
                 ("train.resume", bool(self.resume.strip()), "must be auto, never or a checkpoint version"),

@@ -65,6 +65,7 @@ def test_groups_roundtrip_through_plain_dicts():
         ("cluster.procs_per_node=0", "cluster.procs_per_node"),
         ("data.val_fraction=1.5", "data.val_fraction"),
         ("train.min_lr=1.0", "train.min_lr"),
+        ("train.val_interval=-1", "train.val_interval"),
         ("preflight.min_healthy_nodes=3", "preflight.min_healthy_nodes"),
         ("preflight.memory_safety=0", "preflight.memory_safety"),
         ("tokenizer.vocab_size=100", "tokenizer.vocab_size"),

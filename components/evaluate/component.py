@@ -31,5 +31,6 @@ def evaluate(
     print(f"liftoff-stage evaluate compute_s={time.perf_counter() - started:.3f}", flush=True)
     for name, value in result.metrics.items():
         metrics.log_metric(name, float(value))
-    Path(report.path).write_text(result.html)
+    Path(report.path).write_text(result.html)  # the UI's copy; kfp.local names it `report`, no extension
+    report.metadata.update({"ref": str(result.manifest.ref), "report_html": str(result.report_path)})
     return str(result.manifest.ref)

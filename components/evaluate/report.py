@@ -1,4 +1,6 @@
-"""The evaluate report for the Kubeflow UI: training curves, metrics table, samples."""
+"""The evaluate report: one self-contained HTML page (inline CSS, plots as data URIs) headed
+by what was evaluated (model, training run, dataset, config, code version, dates), then the
+training curves the model carries, the metrics with their baseline deltas, and samples."""
 
 from __future__ import annotations
 
@@ -6,7 +8,82 @@ import html
 import json
 from pathlib import Path
 
-from components.plots import curve_png, read_records
+from components.plots import curve_png, loss_png, read_timeline
+from components.store import Manifest
+
+LOWER_IS_BETTER = {"val_loss", "val_perplexity", "val_bits_per_byte", "perplexity_vs_unigram"}
+HIGHER_IS_BETTER = {"inference_tokens_per_s"}
+
+STYLE = """
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2330;background:#f4f6fa;margin:0}
+main{max-width:1180px;margin:0 auto;padding:24px}
+header#identity{background:#1d2b4f;color:#fff;border-radius:10px;padding:18px 24px;margin-bottom:20px}
+header#identity h1{margin:0 0 12px;font-size:22px}
+header#identity dl{display:grid;grid-template-columns:max-content 1fr max-content 1fr;gap:4px 16px;margin:0}
+header#identity dt{color:#a9b8de}
+header#identity dd{margin:0;font-family:ui-monospace,Menlo,monospace;word-break:break-all}
+section{background:#fff;border-radius:10px;padding:16px 24px;margin-bottom:20px;box-shadow:0 1px 3px #0002}
+h2{font-size:18px;margin:4px 0 12px}
+.cards{display:flex;gap:12px;flex-wrap:wrap}
+.card{background:#eef2fb;border-radius:8px;padding:10px 16px;min-width:150px}
+.card b{display:block;font-size:22px}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:12px}
+figure{margin:0;text-align:center}
+figure img{max-width:100%;border:1px solid #dde2ec;border-radius:6px}
+figcaption{color:#56607a;font-size:13px}
+table{border-collapse:collapse;width:100%}
+th,td{text-align:left;padding:5px 10px;border-bottom:1px solid #e3e7ef}
+th{background:#eef2fb}
+#metrics th:not(:first-child){text-align:right}
+td.num{text-align:right;font-family:ui-monospace,Menlo,monospace}
+.better{color:#107a3a}.worse{color:#b3261e}
+.sample{white-space:pre-wrap;font-family:ui-monospace,Menlo,monospace}
+.note{color:#56607a}
+"""
+
+
+def identity_rows(
+    model: Manifest, dataset: str, model_dir: Path | None, evaluated: str, eval_ref: str | None = None
+) -> dict[str, str]:
+    """What the report is about, read from the model's manifest and its Hugging Face config."""
+    meta, train = model.metadata, model.metadata.get("train", {})
+    arch = {}
+    if model_dir is not None and (model_dir / "config.json").is_file():
+        arch = json.loads((model_dir / "config.json").read_text())
+    preset = model.ref.name
+    if arch:
+        preset += (
+            f" ({arch.get('num_hidden_layers')} layers, hidden {arch.get('hidden_size')}, "
+            f"{arch.get('num_attention_heads')} heads, vocab {arch.get('vocab_size')})"
+        )
+    rows = {
+        "model": str(model.ref),
+        "training run": str(meta.get("identity", "unknown")),
+        "dataset": dataset,
+        "model preset": preset,
+        "precision": str(meta.get("precision", train.get("precision", "unknown"))),
+        "steps": str(meta.get("steps", train.get("steps", "unknown"))),
+        "lr": _lr(train),
+        "batch": _batch(train, meta.get("world")),
+        "code version": model.code_version,
+        "trained": model.created[:19].replace("T", " ") + (" UTC" if model.created else ""),
+        "evaluated": evaluated,
+    }
+    if eval_ref:
+        rows["evaluation"] = eval_ref
+    return rows
+
+
+def _lr(train: dict) -> str:
+    if "lr" not in train:
+        return "unknown"
+    return f"{train['lr']:g} (warmup {train.get('warmup_steps', '?')}, cosine to {train.get('min_lr', '?')})"
+
+
+def _batch(train: dict, world) -> str:
+    if "micro_batch_size" not in train:
+        return "unknown"
+    return f"{train['micro_batch_size']} x {train.get('grad_accum_steps', 1)} accum x {world or '?'} ranks"
 
 
 def report_html(
@@ -14,32 +91,101 @@ def report_html(
     samples: list[dict],
     training_metrics: Path | None,
     deltas: dict[str, float] | None = None,
+    identity: dict[str, str] | None = None,
 ) -> str:
-    parts = ["<html><head><meta charset='utf-8'><title>liftoff evaluation</title></head><body>", "<h1>Evaluation</h1>"]
-    if training_metrics is not None and training_metrics.is_file():
-        steps, _ = read_records(training_metrics)
-        parts.append("<h2>Training curves</h2>")
-        for key, label in [
-            ("loss", "train loss"),
-            ("lr", "learning rate"),
-            ("grad_norm", "grad norm"),
-            ("tokens_per_s", "tokens/s"),
-        ]:
-            parts.append(f'<img class="curve" alt="{key}" src="data:image/png;base64,{curve_png(steps, key, label)}"/>')
-    parts.append(
-        '<h2>Metrics</h2><table id="metrics" border="1"><tr><th>metric</th><th>value</th>'
-        + ("<th>delta vs baseline</th>" if deltas else "")
-        + "</tr>"
+    title = (identity or {}).get("model", "model")
+    body = [
+        _header(title, identity or {}),
+        _summary(metrics),
+        _curves(training_metrics),
+        _metrics_table(metrics, deltas),
+        _samples(samples),
+    ]
+    data = json.dumps(metrics).replace("</", "<\\/")
+    return (
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>liftoff evaluation: {html.escape(title)}</title><style>{STYLE}</style></head>"
+        f"<body><main>{''.join(body)}</main>"
+        f"<script type='application/json' id='metrics-json'>{data}</script></body></html>"
     )
+
+
+def _header(title: str, identity: dict[str, str]) -> str:
+    cells = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in identity.items())
+    return f"<header id='identity'><h1>Evaluation of {html.escape(title)}</h1><dl>{cells}</dl></header>"
+
+
+def _summary(metrics: dict[str, float]) -> str:
+    shown = [
+        ("val_loss", "val loss"),
+        ("val_perplexity", "perplexity"),
+        ("val_bits_per_byte", "bits/byte"),
+        ("perplexity_vs_unigram", "perplexity / unigram"),
+    ]
+    cards = "".join(
+        f"<div class='card'>{label}<b>{metrics[key]:.4g}</b></div>" for key, label in shown if key in metrics
+    )
+    return f"<section id='summary'><div class='cards'>{cards}</div></section>"
+
+
+def _curves(training_metrics: Path | None) -> str:
+    missing = "<section id='curves'><h2>Training</h2><p class='note'>{}</p></section>"
+    if training_metrics is None or not training_metrics.is_file():
+        return missing.format("the model carries no training records")
+    steps, vals = read_timeline(training_metrics)
+    if not steps:
+        return missing.format("no training steps recorded")
+    plots = [
+        ("loss", "loss: train" + (" and val (fixed held-out blocks)" if vals else ""), loss_png(steps, vals)),
+        ("lr", "learning rate", curve_png(steps, "lr", "learning rate")),
+        ("grad_norm", "grad norm (before clipping)", curve_png(steps, "grad_norm", "grad norm")),
+        ("tokens_per_s", "throughput (tokens/s)", curve_png(steps, "tokens_per_s", "tokens/s")),
+        ("peak_memory", "peak memory (GiB)", curve_png(steps, "peak_memory_bytes", "peak memory (GiB)", 2**-30)),
+        ("step_s", "step time (s)", curve_png(steps, "step_s", "step time (s)")),
+    ]
+    figs = "".join(
+        f"<figure><img class='curve' alt='{key}' src='data:image/png;base64,{png}'/>"
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        for key, caption, png in plots
+    )
+    note = "" if vals else "<p class='note'>no validation during training (train.val_interval=0)</p>"
+    return f"<section id='curves'><h2>Training</h2><div class='grid'>{figs}</div>{note}</section>"
+
+
+def _metrics_table(metrics: dict[str, float], deltas: dict[str, float] | None) -> str:
+    head = "<tr><th>metric</th><th>value</th>"
+    if deltas:
+        head += "<th>baseline</th><th>delta vs baseline</th><th>relative</th>"
+    rows = []
     for name, value in metrics.items():
-        delta = f"<td>{deltas[name]:+.6g}</td>" if deltas and name in deltas else ("<td></td>" if deltas else "")
-        parts.append(f"<tr><td>{html.escape(name)}</td><td>{value:.6g}</td>{delta}</tr>")
-    parts.append("</table><h2>Samples (greedy)</h2><ul>")
-    for s in samples:
-        parts.append(f"<li><b>{html.escape(s['prompt'])}</b>{html.escape(s['continuation'])}</li>")
-    parts.append(
-        "</ul><script type='application/json' id='metrics-json'>"
-        + html.escape(json.dumps(metrics))
-        + "</script></body></html>"
+        if deltas and name.startswith("baseline_"):
+            continue  # shown in the baseline column of its metric
+        row = f"<tr><td>{html.escape(name)}</td><td class='num'>{value:.6g}</td>"
+        if deltas:
+            row += _delta_cells(name, metrics.get(f"baseline_{name}"), deltas.get(name))
+        rows.append(row + "</tr>")
+    return f"<section><h2>Metrics</h2><table id='metrics'>{head}</tr>{''.join(rows)}</table></section>"
+
+
+def _delta_cells(name: str, base: float | None, delta: float | None) -> str:
+    if delta is None or base is None:
+        return "<td></td><td></td><td></td>"
+    good = (delta < 0 and name in LOWER_IS_BETTER) or (delta > 0 and name in HIGHER_IS_BETTER)
+    bad = (delta > 0 and name in LOWER_IS_BETTER) or (delta < 0 and name in HIGHER_IS_BETTER)
+    cls = " better" if good else (" worse" if bad else "")
+    rel = f"{delta / base:+.1%}" if base else ""
+    return f"<td class='num'>{base:.6g}</td><td class='num{cls}'>{delta:+.6g}</td><td class='num{cls}'>{rel}</td>"
+
+
+def _samples(samples: list[dict]) -> str:
+    if not samples:
+        return "<section id='samples'><h2>Samples (greedy)</h2><p class='note'>no prompts (eval.prompts)</p></section>"
+    rows = "".join(
+        f"<tr><td class='sample'><b>{html.escape(s['prompt'])}</b></td>"
+        f"<td class='sample'>{html.escape(s['continuation'])}</td></tr>"
+        for s in samples
     )
-    return "".join(parts)
+    return (
+        "<section id='samples'><h2>Samples (greedy)</h2><table><tr><th>prompt</th><th>continuation</th></tr>"
+        f"{rows}</table></section>"
+    )

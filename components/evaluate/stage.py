@@ -7,12 +7,13 @@ import json
 import logging
 import tempfile
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from components.blocks import load_tokenizer, open_token_blocks
 from components.config import EvalConfig
 from components.evaluate.metrics import greedy_samples, perplexity, token_byte_lengths, unigram_perplexity
-from components.evaluate.report import report_html
+from components.evaluate.report import identity_rows, report_html
 from components.hf import load_hf_model
 from components.store import ArtifactStore, Manifest, Ref
 
@@ -29,6 +30,7 @@ class EvalResult:
     samples: list[dict]
     html: str
     manifest: Manifest
+    report_path: Path  # the published report.html, fetched: a file a browser opens
 
 
 def measure(model_dir: Path, data_dir: Path, cfg: EvalConfig) -> tuple[dict[str, float], list[dict]]:
@@ -89,8 +91,13 @@ def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore) -> EvalR
         base_metrics, _ = measure(store.fetch(base_manifest), data_dir, cfg)
         deltas = {k: metrics[k] - base_metrics[k] for k in metrics if k in base_metrics}
         metrics.update({f"baseline_{k}": v for k, v in base_metrics.items()})
-    page = report_html(metrics, samples, model_dir / "training_metrics.jsonl", deltas)
     version = f"{model_manifest.ref.version}-{hashlib.sha256(json.dumps(asdict(cfg)).encode()).hexdigest()[:8]}"
+    evaluated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    eval_ref = f"eval/{model_manifest.ref.name}@{version}"
+    identity = identity_rows(model_manifest, data_ref, model_dir, evaluated, eval_ref)
+    if cfg.baseline:
+        identity["baseline"] = cfg.baseline
+    page = report_html(metrics, samples, model_dir / "training_metrics.jsonl", deltas, identity)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -111,4 +118,6 @@ def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore) -> EvalR
         metrics["unigram_perplexity"],
         metrics["val_bits_per_byte"],
     )
-    return EvalResult(metrics, samples, page, manifest)
+    report_path = store.fetch(manifest) / "report.html"
+    log.info("evaluation report: %s", report_path)
+    return EvalResult(metrics, samples, report_path.read_text(), manifest, report_path)

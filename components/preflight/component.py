@@ -55,7 +55,8 @@ def preflight(
             metrics.log_metric(f"plan_{key}", float(value))
     metrics.log_metric("healthy_nodes", float(len(result.healthy)))
     metrics.log_metric("preflight_seconds", result.seconds)
-    Path(report.path).write_text(report_markdown(result, cfg))
+    Path(report.path).write_text(report_markdown(result, cfg))  # the UI's; the store has it as HTML too
+    report.metadata.update({"report_html": str(result.report_path)})
     gate(result, cfg)  # raises: no verdict, so train cannot start
     passed = {"passed": True, "dataset": dataset.metadata.get("ref"), "healthy": result.healthy}
     excluded = {"unhealthy": result.unhealthy, "excluded_hosts": result.excluded_hosts}  # train stays off these

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import html
 import json
 import logging
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ class PreflightResult:
     plan: Plan
     device_memory_gb: float
     seconds: float
+    ref: Ref | None = None  # the nodes' measurements in the store
+    report_path: Path | None = None  # the published report.html, fetched: a file a browser opens
 
     @property
     def healthy(self) -> list[str]:
@@ -77,7 +81,10 @@ def report_markdown(result: PreflightResult, cfg: PreflightConfig) -> str:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "rank"
         }
     )
-    lines = ["# Preflight", "", "| node | verdict | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+    problems = gate_problems(result, cfg)
+    lines = ["# Preflight", "", "**passed**" if not problems else "**failed**", ""]
+    lines += [f"- {p}" for p in problems] + ([""] if problems else [])
+    lines += ["| node | verdict | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
     for node, v in zip(result.nodes, result.verdicts, strict=True):
         cells = " | ".join(f"{node.get(m, float('nan')):.4g}" for m in metrics)
         lines.append(f"| {node['host']}#{node['rank']} | {'healthy' if v.healthy else 'UNHEALTHY'} | {cells} |")
@@ -85,6 +92,44 @@ def report_markdown(result: PreflightResult, cfg: PreflightConfig) -> str:
     lines += [f"- **{n}**: " + "; ".join(r) for n, r in result.unhealthy.items()] or ["none"]
     lines += ["", "## Plan", "", "```", format_plan(result.plan, result.device_memory_gb, cfg.memory_safety), "```"]
     return "\n".join(lines)
+
+
+REPORT_STYLE = """
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2330;background:#f4f6fa;margin:0}
+main{max-width:1180px;margin:0 auto;padding:24px;background:#fff}
+table{border-collapse:collapse;display:block;overflow-x:auto;font-size:13px}
+th,td{padding:4px 8px;border-bottom:1px solid #e3e7ef;text-align:right;white-space:nowrap}
+th{background:#eef2fb}th:nth-child(-n+2),td:nth-child(-n+2){text-align:left}
+pre{background:#f4f6fa;padding:12px;border-radius:6px;overflow-x:auto}
+"""
+
+
+def report_html(markdown: str, title: str) -> str:
+    """The Markdown report as one self-contained HTML page, for the store (the KFP UI shows the Markdown)."""
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
+    return (
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{REPORT_STYLE}</style></head><body><main>{body}</main></body></html>"
+    )
+
+
+def publish_report(result: PreflightResult, cfg: PreflightConfig, store: ArtifactStore) -> Path:
+    """`preflight-report/<name>@<run id>` (report.html and report.md, the verdict in its metadata)
+    next to the measurements it reads, whether or not the gate passes; its local report.html."""
+    markdown = report_markdown(result, cfg)
+    problems = gate_problems(result, cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        (out / "report.md").write_text(markdown)
+        (out / "report.html").write_text(report_html(markdown, f"liftoff preflight {result.ref}"))
+        meta = {"passed": not problems, "problems": problems, "healthy": result.healthy, "unhealthy": result.unhealthy}
+        name, version = result.ref.name, result.ref.version
+        manifest = store.publish("preflight-report", name, version, out, metadata=meta, parents=[str(result.ref)])
+    path = store.fetch(manifest) / "report.html"
+    log.info("preflight report: %s", path)
+    return path
 
 
 def preflight_launch(
@@ -119,8 +164,8 @@ def run_preflight(
     launch = preflight_launch(dataset, train, cluster, cfg, store_cfg)
     spec = launch.spec
     run_app(launch)
-    published = store.fetch(store.manifest(Ref("preflight", spec.name, spec.run_id)))
-    nodes = json.loads((published / "nodes.json").read_text())
+    published = store.manifest(Ref("preflight", spec.name, spec.run_id))
+    nodes = json.loads((store.fetch(published) / "nodes.json").read_text())
     verdicts = judge(nodes, cfg)
     healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes
     tflops, busbw = plan_inputs(healthy_nodes, train.precision)
@@ -138,17 +183,25 @@ def run_preflight(
         peak_tflops=train.peak_tflops,
         busbw_gbps=busbw if world > 1 else None,
     )
-    result = PreflightResult(nodes, verdicts, step_plan, device_gb, time.perf_counter() - t0)
+    result = PreflightResult(nodes, verdicts, step_plan, device_gb, time.perf_counter() - t0, published.ref)
     if cfg.quarantine and cluster.scheduler == Scheduler.kubernetes and result.unhealthy:
         from components.preflight.quarantine import quarantine_nodes
 
         bad = [v for v in verdicts if not v.healthy]
         quarantine_nodes([v.host for v in bad], {v.host: v.reasons for v in bad})
+    result.report_path = publish_report(result, cfg, store)
     return result
 
 
 def gate(result: PreflightResult, cfg: PreflightConfig) -> None:
     """Stop the run before training when the fleet or the plan cannot work."""
+    problems = gate_problems(result, cfg)
+    if problems:
+        raise PreflightFailed("preflight failed:\n- " + "\n- ".join(problems))
+
+
+def gate_problems(result: PreflightResult, cfg: PreflightConfig) -> list[str]:
+    """Why the fleet or the plan cannot train (none: the gate passes)."""
     problems = []
     if len(result.healthy) < cfg.min_healthy_nodes:
         problems.append(
@@ -161,5 +214,4 @@ def gate(result: PreflightResult, cfg: PreflightConfig) -> None:
             f" GB x preflight.memory_safety={cfg.memory_safety} = "
             f"{result.device_memory_gb * cfg.memory_safety:.2f} GB"
         )
-    if problems:
-        raise PreflightFailed("preflight failed:\n- " + "\n- ".join(problems))
+    return problems

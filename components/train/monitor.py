@@ -1,4 +1,5 @@
-"""Training telemetry: JSONL + TensorBoard on rank 0, MFU, stragglers, loss spikes, watchdog."""
+"""Training telemetry on rank 0: JSONL and TensorBoard (one event file per run), val loss, MFU,
+stragglers, loss spikes, watchdog."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from components.devices import peak_tflops
+from components.plots import read_timeline
 from components.robust import leave_one_out_z
 
 log = logging.getLogger(__name__)
@@ -155,13 +157,11 @@ class Monitor:
         self.spike_factor, self.straggler_z = spike_factor, straggler_z
         self.losses: deque[float] = deque(maxlen=50)
         self.step_times: list[float] = []
+        self.out_dir = out_dir
         self._jsonl = self._tb = None
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
         self.hosts = [None] * world
         dist.all_gather_object(self.hosts, os.environ.get("NODE_NAME") or socket.gethostname())
 
@@ -182,12 +182,51 @@ class Monitor:
             self.losses.append(record["loss"])
         if self.rank != 0:
             return
+        if self._tb is None:  # the run's first step here: steps before it are the run's history
+            self.open_tensorboard(record["step"] - 1)
         self._jsonl.write(json.dumps({"kind": "step", **record}) + "\n")
+        self._tb_step(record)
+
+    def log_val(self, step: int, loss: float, blocks: int, seconds: float) -> None:
+        """Periodic validation's loss on the fixed held-out blocks (rank 0 records it)."""
+        if self.rank != 0:
+            return
+        record = {
+            "kind": "val",
+            "step": step,
+            "val_loss": loss,
+            "val_blocks": blocks,
+            "val_s": seconds,
+            "time": time.time(),
+        }
+        log.info("step %d  val_loss %.4f  (%d held-out blocks, %.2fs)", step, loss, blocks, seconds)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._tb_val(record)
+
+    def open_tensorboard(self, upto_step: int) -> None:
+        """One event file per run directory: a rerun (a resume, a relaunch) replaces the event
+        files there with one that replays metrics.jsonl's timeline up to `upto_step` (the step it
+        resumes from), then goes on with the steps it trains; TensorBoard never sees a step twice."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb_dir = self.out_dir / "tensorboard"
+        for old in tb_dir.glob("events.out.tfevents.*"):
+            old.unlink()
+        self._tb = SummaryWriter(str(tb_dir))
+        steps, vals = read_timeline(self.out_dir / "metrics.jsonl")
+        for rec in sorted(steps + vals, key=lambda r: (r["step"], r["kind"] == "val")):
+            if rec["step"] <= upto_step:
+                (self._tb_step if rec["kind"] == "step" else self._tb_val)(rec)
+
+    def _tb_step(self, record: dict) -> None:
         if record["step"] % self.tb_interval:
             return
         for key, value in record.items():
-            if isinstance(value, (int, float)) and key not in ("step", "time") and value is not None:
-                self._tb.add_scalar(f"train/{key}", value, record["step"])
+            if isinstance(value, (int, float)) and key not in ("step", "time", "kind") and value is not None:
+                self._tb.add_scalar(f"train/{key}", value, record["step"], walltime=record.get("time"))
+
+    def _tb_val(self, record: dict) -> None:
+        self._tb.add_scalar("val/loss", record["val_loss"], record["step"], walltime=record.get("time"))
 
     def event(self, kind: str, **fields) -> None:
         log.warning("event %s: %s", kind, json.dumps(fields))
@@ -217,7 +256,8 @@ class Monitor:
     def close(self) -> None:
         if self.rank == 0:
             self._jsonl.close()
-            self._tb.close()
+            if self._tb is not None:
+                self._tb.close()
 
 
 class Watchdog(threading.Thread):

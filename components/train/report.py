@@ -6,7 +6,7 @@ import json
 import statistics
 from pathlib import Path
 
-from components.plots import curve_png, read_records
+from components.plots import curve_png, loss_png, read_records, read_timeline, timeline
 
 
 def final_metrics(path: Path) -> dict[str, float]:
@@ -28,21 +28,28 @@ def final_metrics(path: Path) -> dict[str, float]:
     mfus = [s["mfu"] for s in tail if s.get("mfu") is not None]
     if mfus:
         out["mfu"] = statistics.median(mfus)
+    _, vals = read_timeline(path)
+    if vals:
+        out["final_val_loss"] = vals[-1]["val_loss"]
     return out
 
 
 def curves_html(path: Path) -> str:
-    steps, events = read_records(path)
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    steps, vals = timeline(records)
+    plots = [
+        (loss_png(steps, vals), "loss (train and val)"),
+        (curve_png(steps, "lr", "learning rate"), "learning rate"),
+        (curve_png(steps, "grad_norm", "grad norm"), "grad norm"),
+        (curve_png(steps, "tokens_per_s", "tokens/s"), "tokens/s"),
+        (curve_png(steps, "peak_memory_bytes", "peak memory (GiB)", 2**-30), "peak memory"),
+        (curve_png(steps, "step_s", "step time (s)"), "step time"),
+    ]
     imgs = "".join(
-        f'<figure><img alt="{key}" src="data:image/png;base64,{curve_png(steps, key, label)}"/>'
-        f"<figcaption>{label}</figcaption></figure>"
-        for key, label in [
-            ("loss", "loss"),
-            ("lr", "learning rate"),
-            ("grad_norm", "grad norm"),
-            ("tokens_per_s", "tokens/s"),
-        ]
+        f'<figure><img alt="{label}" src="data:image/png;base64,{png}"/><figcaption>{label}</figcaption></figure>'
+        for png, label in plots
     )
+    events = [r for r in records if r.get("kind") not in ("step", "val")]
     rows = "".join(
         f"<tr><td>{e['kind']}</td><td>{json.dumps({k: v for k, v in e.items() if k != 'kind'})}</td></tr>"
         for e in events

@@ -32,6 +32,7 @@ NOT_IDENTITY = {
     "resume",
     "run_dir",
     "log_interval",
+    "val_interval",
     "max_bad_steps",
     "loss_spike_factor",
     "straggler_interval",

@@ -312,6 +312,41 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
         job.checkpointer.save(state.step, job.model, job.optimizer, meta, {"rng": torch.get_rng_state()})
 
 
+VAL_BLOCKS = 32  # periodic validation's fixed held-out set: the val split's first blocks
+
+
+def validates_at(step: int, interval: int, last_step: int) -> bool:
+    """Whether periodic validation runs after this step: every `interval` steps (train.val_interval)
+    and at the last step; never with 0."""
+    return interval > 0 and (step % interval == 0 or step == last_step)
+
+
+def val_loss(job: Job) -> tuple[float, int] | None:
+    """(mean token loss, blocks) of the model as it trains on the first VAL_BLOCKS val blocks, in
+    micro batches: the same blocks every time, so the curve compares like with like. Every rank
+    runs it (a collective under FSDP), without gradients; compiled blocks run eagerly."""
+    import numpy as np
+
+    val = open_token_blocks(job.data_dir, "val")
+    n = min(VAL_BLOCKS, len(val))
+    if n == 0:
+        return None
+    total, size = 0.0, job.train.micro_batch_size
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        for start in range(0, n, size):
+            rows = range(start, min(n, start + size))
+            batch = torch.from_numpy(np.stack([val[i] for i in rows]).astype(np.int64)).to(job.device)
+            total += float(micro_loss(job, batch)) * len(rows)  # blocks are of one length: a token mean
+    return total / n, n
+
+
+def validate(job: Job, step: int) -> None:
+    t0 = time.perf_counter()
+    measured = val_loss(job)
+    if measured is not None:
+        job.monitor.log_val(step, *measured, time.perf_counter() - t0)
+
+
 PROBE_BLOCKS = 8
 
 
@@ -448,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
             log.info(text)
         if step % job.train.straggler_interval == 0:
             job.monitor.check_stragglers(step)
+        if validates_at(step, job.train.val_interval, job.train.steps):
+            validate(job, step)
         checkpoint_or_rollback(job, state, record)
     result = finish(job, state)
     if result is not None:
@@ -462,9 +499,12 @@ def main(argv: list[str] | None = None) -> int:
 def hand_back(job: Job, result: WorkerResult) -> None:
     """Rank 0 returns everything through the store, the one thing a driver pod shares with
     the replicas: the model (Hugging Face export plus the training records), then the run's
-    record (`run/<identity>@<launch id>`: the result and metrics.jsonl) naming it."""
+    record (`run/<identity>@<launch id>`: the result and metrics.jsonl) naming it. The model
+    carries the training records and the TensorBoard events, so they outlive the pods."""
     run_dir, export = Path(job.spec.run_dir), Path(job.spec.run_dir) / "export"
     shutil.copyfile(run_dir / "metrics.jsonl", export / "training_metrics.jsonl")
+    if (run_dir / "tensorboard").is_dir():  # the run's one event file (train/ and val/ scalars)
+        shutil.copytree(run_dir / "tensorboard", export / "tensorboard", dirs_exist_ok=True)
     # the version names the weights too: a rerun that trains other weights (a code change,
     # train.resume=never) publishes a new version instead of handing back the stored one
     digest = sha256_file(export / "model.safetensors")[:12]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +64,9 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     assert main(["run", *FAST]) == 0
     out = capfd.readouterr().out
     assert "val_perplexity:" in out and "artifacts (each <- what it was made from):" in out
+    report = re.search(r"^report: (\S+)$", out, re.M).group(1)  # the summary's last line
+    assert out.rstrip().endswith(report) and report.endswith(".html")
+    assert "<header id='identity'>" in Path(report).read_text()
     model_ref = re.search(r"^  (model/tiny@[\w-]+)  <- ", out, re.M).group(1)
     assert main(["artifacts", "show", model_ref]) == 0
     shown = capfd.readouterr().out
@@ -77,6 +81,9 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     trained = store.manifest(Ref.parse(model_ref)).metadata
     assert trained["world"] == 2 and trained["float8_linear_count"] == 14
     assert trained["wrapped_modules"]["activation_checkpoint"] == 2
+    assert [m.metadata["passed"] for m in store.ls("preflight-report")] == [True]  # its report, as HTML
+    files = store.manifest(Ref.parse(model_ref)).files  # the training records and events travel with the model
+    assert "training_metrics.jsonl" in files and any(f.startswith("tensorboard/events.out.tfevents.") for f in files)
     # a new kfp.local root (as on a fresh machine) still finds the dataset in the store; run as a
     # one-job sweep, its table flags the model as the one the first run made
     import shutil

@@ -117,3 +117,41 @@ def test_quarantine_labels_and_taints(monkeypatch):
     quarantine_nodes(["gpu-7"], {"gpu-7": ["slow"]}, api=CoreV1())
     assert patched["gpu-7"]["metadata"]["labels"][LABEL] == "unhealthy"
     assert patched["gpu-7"]["spec"]["taints"][0]["key"] == TAINT_KEY
+
+
+@pytest.mark.parametrize("device_gb,passed", [(80.0, True), (0.001, False)])
+def test_the_report_is_published_as_html_whether_or_not_the_gate_passes(tmp_path, device_gb, passed):
+    from html.parser import HTMLParser
+
+    from components.preflight.plan import plan
+    from components.preflight.stage import PreflightResult, publish_report
+    from components.store import open_store
+
+    store = open_store(defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache")))
+    (tmp_path / "nodes").mkdir()
+    (tmp_path / "nodes" / "nodes.json").write_text("[]")
+    measured = store.publish("preflight", "local_cwd-2n", "20261201T220000-abcd1234", tmp_path / "nodes")
+    cfg = defaults("preflight")
+    nodes = [node(0), node(1, membw_gbps=10.0)]
+    step_plan = plan(defaults("model"), defaults("train"), 2, 64, 1024, tflops=50.0)
+    result = PreflightResult(nodes, judge(nodes, cfg), step_plan, device_gb, 1.0, measured.ref)
+    path = publish_report(result, cfg, store)
+
+    stored = store.resolve("preflight-report", "local_cwd-2n", "20261201T220000-abcd1234")
+    assert stored.parents == [str(measured.ref)] and stored.metadata["passed"] is passed
+    assert path.name == "report.html" and path.read_text() == (store.fetch(stored) / "report.html").read_text()
+    assert (store.fetch(stored) / "report.md").read_text().startswith("# Preflight")
+
+    class Cells(HTMLParser):
+        tags, text = [], ""
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.append(tag)
+
+        def handle_data(self, data):
+            self.text += data
+
+    page = Cells()
+    page.feed(path.read_text())
+    assert {"style", "h1", "table", "th", "td", "pre"} <= set(page.tags)
+    assert "h0#0" in page.text and "h1#1" in page.text and ("passed" if passed else "planned memory") in page.text

@@ -159,7 +159,9 @@ def test_evaluate_beats_unigram_and_reports(trained):
     page = _Collect()
     page.feed(result.html)
     curves = [i for i in page.imgs if i.get("class") == "curve"]
-    assert len(curves) == 4 and all(i["src"].startswith("data:image/png;base64,iVBOR") for i in curves)
+    assert len(curves) == 6 and all(i["src"].startswith("data:image/png;base64,iVBOR") for i in curves)
+    assert result.report_path.name == "report.html" and result.report_path.read_text() == result.html
+    assert ref in result.html and "code version" in result.html  # the identity header
     for name, value in m.items():
         assert name in page.cells and f"{value:.6g}" in page.cells
     stored = trainer.store.resolve("eval", "tiny", result.manifest.ref.version)

@@ -146,6 +146,12 @@ def test_killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, setup
         assert clean.result.forward_dtypes == {"norm_weight": "torch.float32"}
     starts = events(killed.metrics, "start")
     assert len(starts) == 2 and starts[1]["step"] == 10 and starts[1]["resumed_from"].endswith("step-10")
+    # the relaunch replaced the run's event file: still one, steps 11-14 (trained twice) once each
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = list((killed.run_dir / "nodes" / "0" / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(tb) == 1
+    assert [e.step for e in EventAccumulator(str(tb[0])).Reload().Scalars("train/loss")] == list(range(1, 31))
     a, b = final_weights(clean), final_weights(killed)
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
@@ -343,6 +349,27 @@ def test_metrics_jsonl_has_the_monitoring_fields(trainer):
     record = trainer.store.resolve("run", r.identity, "latest")
     assert json.loads((trainer.store.fetch(record) / "result.json").read_text())["steps"] == 6
     assert record.parents == [str(r.model.ref)] and r.metrics.is_relative_to(trainer.store_cfg.cache_dir)
+
+
+def test_val_loss_and_one_tensorboard_event_file_per_run_are_published_with_the_model(trainer):
+    """Periodic validation on the fixed held-out blocks, and a longer rerun of the same training
+    (it resumes at step 10 in the same run directory): the run keeps one event file, and the
+    model the rerun publishes carries it, with every step once and the val points of both legs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    common = ["train.val_interval=4", "train.checkpoint_interval=5", "train.warmup_steps=2"]
+    first = trainer.run("train.steps=10", *common)
+    longer = trainer.run("train.steps=15", *common)
+    assert longer.run_dir == first.run_dir and events(longer.metrics, "start")[-1]["step"] == 10
+    assert [v["step"] for v in events(longer.metrics, "val")] == [4, 8, 10, 12, 15]
+    assert all(v["val_blocks"] == 32 and 0 < v["val_loss"] < 10 for v in events(longer.metrics, "val"))
+    on_node = list((longer.run_dir / "nodes" / "0" / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    published = list((longer.export / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(on_node) == 1 and len(published) == 1 and published[0].name == on_node[0].name
+    scalars = EventAccumulator(str(published[0])).Reload()
+    assert [e.step for e in scalars.Scalars("train/loss")] == list(range(1, 16))
+    assert [e.step for e in scalars.Scalars("val/loss")] == [4, 8, 10, 12, 15]
+    assert (longer.export / "training_metrics.jsonl").read_text() == longer.metrics.read_text()
 
 
 def test_fsdp_trains_the_same_weights_as_ddp(trainer):

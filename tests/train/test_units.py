@@ -185,3 +185,49 @@ def test_a_checkpoint_missing_another_ranks_shard_does_not_verify(tmp_path):
     (tmp_path / "__1_0.distcp").unlink()
     with pytest.raises(ckpt.CheckpointError, match="__1_0.distcp: missing"):
         ckpt.verify(tmp_path)
+
+
+def test_periodic_validation_runs_every_interval_and_at_the_last_step():
+    from components.train.worker import validates_at
+
+    assert [s for s in range(1, 51) if validates_at(s, 20, 50)] == [20, 40, 50]
+    assert [s for s in range(1, 41) if validates_at(s, 20, 40)] == [20, 40]
+    assert not any(validates_at(s, 0, 50) for s in range(1, 51))  # 0: off
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_resumed_run_keeps_one_tensorboard_event_file_with_each_step_once(tmp_path, one_process_group):
+    """A run crashes after step 8 (its last checkpoint: step 5); the rerun resumes from step 5.
+    The run directory keeps one event file: steps 1-5 of the first attempt, 6-12 of the rerun."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from components.plots import read_timeline
+    from components.train.monitor import Monitor
+    from components.train.worker import validates_at
+
+    def attempt(first: int, last: int, offset: float) -> None:
+        monitor = Monitor(tmp_path / "run", 0, 1, spike_factor=1e9, straggler_z=5.0)
+        for step in range(first, last + 1):
+            monitor.log_step({"step": step, "loss": step + offset, "stepped": True, "forward_s": 0.1, "time": 1e9})
+            if validates_at(step, 5, 12):
+                monitor.log_val(step, 100 + step + offset, 32, 0.01)
+        monitor.close()
+
+    attempt(1, 8, 0.0)
+    attempt(6, 12, 0.5)
+    files = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    scalars = EventAccumulator(str(files[0])).Reload()
+    train = [(e.step, e.value) for e in scalars.Scalars("train/loss")]
+    assert train == [(s, s + (0.5 if s > 5 else 0.0)) for s in range(1, 13)]
+    assert [(e.step, e.value) for e in scalars.Scalars("val/loss")] == [(5, 105.0), (10, 110.5), (12, 112.5)]
+    steps, vals = read_timeline(tmp_path / "run" / "metrics.jsonl")  # the report reads the same timeline
+    assert [s["loss"] for s in steps] == [v for _, v in train] and [v["step"] for v in vals] == [5, 10, 12]
