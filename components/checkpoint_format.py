@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from components.store import InvalidKey, check_relpath, sha256_file
 
 INDEX = "checkpoint.json"
+HISTORY = "history.jsonl"  # the run's metrics.jsonl as of the checkpoint: a fresh pod's curves start at step 1
 
 
 class CheckpointError(RuntimeError):
@@ -41,10 +42,10 @@ def fsync_dir(path: Path) -> None:
 
 def own_files(ckpt: Path, rank: int) -> list[str]:
     """The files of a checkpoint that `rank` wrote: its DCP shards (`__<rank>_<i>.distcp`, DCP's
-    naming), its RNG state, and on rank 0 DCP's `.metadata` and `meta.json`."""
+    naming), its RNG state, and on rank 0 DCP's `.metadata`, `meta.json` and the run's history."""
     names = [p.name for p in ckpt.glob(f"__{rank}_*.distcp")] + [f"rank{rank}.pt"]
     if rank == 0:
-        names += [".metadata", "meta.json"]
+        names += [".metadata", "meta.json", HISTORY]
     return sorted(n for n in names if (ckpt / n).is_file())
 
 

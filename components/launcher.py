@@ -339,7 +339,7 @@ def _raise_unless_succeeded(name: str, status, tails: dict, tail_lines: int) -> 
         + (f"; replica {failing} failed" if failing is not None else "")
         + (f": {cause}" if cause else "")
         + "; last log lines:\n"
-        + "\n".join(log_tail(seen, tail_lines))
+        + "\n".join(f"  | {ln}" for ln in log_tail(seen, tail_lines))  # quoted: never read as the driver's own
     )
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
+import shutil
 import time
+import uuid
 import warnings
 from pathlib import Path
 
@@ -53,9 +56,8 @@ def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False
     kfp.local.init(
         runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp"), enable_caching=True
     )
-    os.environ[TASK_ROOT_ENV] = str(root / "tasks")  # each task in its own directory, as in its own pod
     t0 = time.perf_counter()
-    with Console(log_path, verbose) as console, warnings.catch_warnings():
+    with task_directories(root / "tasks"), Console(log_path, verbose) as console, warnings.catch_warnings():
         # kfp.local warns on every task that the stage image is not a Python image: it runs
         # the tasks in this interpreter (SubprocessRunner) and never pulls the image
         warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom or non-Python")
@@ -83,6 +85,19 @@ def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False
         "stages": stages.ends,
         "files": keep_outputs(folder, stages.ends, Path(cfg.train.run_dir), t0),
     }
+
+
+@contextlib.contextmanager
+def task_directories(parent: Path):
+    """Each KFP task of this run in a directory of its own, as in its own pod, under one folder
+    for the run that is removed when it ends (the tasks' caches hold copies of the artifacts)."""
+    run_tasks = parent / uuid.uuid4().hex[:12]
+    os.environ[TASK_ROOT_ENV] = str(run_tasks)
+    try:
+        yield run_tasks
+    finally:
+        os.environ.pop(TASK_ROOT_ENV, None)
+        shutil.rmtree(run_tasks, ignore_errors=True)
 
 
 def new_run_folder(cfg: DictConfig, overrides: list[str], folder: Path | None = None) -> Path:

@@ -40,15 +40,21 @@ class Console:
         self._lines: list[str] = []
         self._synced = threading.Event()
         self._terminal: int | None = None
+        self._reader_gone = False
 
     def say(self, text: str = "") -> None:
         data = (text + "\n").encode()
         with self._lock:
-            if self._terminal is None:
-                sys.stdout.write(text + "\n")
-                sys.stdout.flush()
-            else:
-                os.write(self._terminal, data)
+            if self._reader_gone:
+                return
+            try:
+                if self._terminal is None:
+                    sys.stdout.write(text + "\n")
+                    sys.stdout.flush()
+                else:
+                    os.write(self._terminal, data)
+            except BrokenPipeError:  # `liftoff run | head`: the run goes on, logged, without a reader
+                self._reader_gone = True
 
     def __enter__(self) -> Console:
         sys.stdout.flush()
@@ -102,7 +108,11 @@ class Console:
         self._lines.append(line)
         if self.verbose:
             with self._lock:
-                os.write(self._terminal, raw if self._tty else clean.encode())
+                if not self._reader_gone:
+                    try:
+                        os.write(self._terminal, raw if self._tty else clean.encode())
+                    except BrokenPipeError:
+                        self._reader_gone = True
         elif m := _SHOWN.search(line):
             self.say("      " + (m.group(1) or m.group(2)))
 

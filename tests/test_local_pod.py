@@ -96,7 +96,10 @@ def test_a_killed_node_and_wiped_disks_resume_from_the_store_to_identical_weight
     again = trainer.run(*common)
     from components.plots import read_records
 
-    start = [e for e in read_records(again.metrics)[1] if e["kind"] == "start"][-1]
+    steps, events = read_records(again.metrics)
+    start = [e for e in events if e["kind"] == "start"][-1]
     assert start["step"] >= 10 and start["resumed_from"]
+    # the run's history came back with the checkpoint: every step once, from step 1
+    assert [s["step"] for s in steps] == list(range(1, 31))
     a, b = load_file(str(clean.export / "model.safetensors")), load_file(str(again.export / "model.safetensors"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpoin
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from components.checkpoint_format import (
+    HISTORY,
     INDEX,
     CheckpointError,
     file_entries,
@@ -75,7 +76,8 @@ class Checkpointer:
         self._pg = dist.new_group(backend="gloo")  # saves run collectives off the training stream
         root.mkdir(parents=True, exist_ok=True)
 
-    def save(self, step: int, model, optimizer, meta: dict, rank_state: dict) -> None:
+    def save(self, step: int, model, optimizer, meta: dict, rank_state: dict, history: Path | None = None) -> None:
+        """`history`: rank 0's metrics.jsonl, kept with the checkpoint (a resume on a new pod restores it)."""
         self.wait()
         tmp = self.root / f"step-{step}.tmp"
         if self.local_leader and tmp.exists():
@@ -86,6 +88,8 @@ class Checkpointer:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
             torch.save(rank_state, tmp / f"rank{self.rank}.pt")
+            if history is not None and history.is_file():
+                shutil.copyfile(history, tmp / HISTORY)
             writer = FileSystemWriter(str(tmp), sync_files=True)
             if self.async_save:
                 future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
@@ -180,10 +184,10 @@ class Checkpointer:
     def _publish(self, final: Path, step: int, meta: dict) -> None:
         """Every rank uploads its own files; rank 0 makes the version visible once all are in."""
         t = self.target
-        ref = Ref("checkpoint", t.model_name, version_of(t.identity, final))
-        mine = own_files(final, self.rank) + ([INDEX] if self.rank == 0 else [])
         error = None
-        try:
+        try:  # whatever fails here, this rank still joins the gather below: no peer waits forever
+            ref = Ref("checkpoint", t.model_name, version_of(t.identity, final))
+            mine = own_files(final, self.rank) + ([INDEX] if self.rank == 0 else [])
             if not t.store.exists(ref):
                 t.store.upload(ref, {name: final / name for name in mine})
         except Exception as e:

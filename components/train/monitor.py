@@ -7,6 +7,7 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -161,7 +162,7 @@ class Monitor:
         self._jsonl = self._tb = None
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)
+            self._jsonl = open(self.history, "a", buffering=1)
         self.hosts = [None] * world
         dist.all_gather_object(self.hosts, os.environ.get("NODE_NAME") or socket.gethostname())
 
@@ -229,7 +230,8 @@ class Monitor:
         self._tb.add_scalar("val/loss", record["val_loss"], record["step"], walltime=record.get("time"))
 
     def event(self, kind: str, **fields) -> None:
-        log.warning("event %s: %s", kind, json.dumps(fields))
+        routine = kind in ("start", "end")  # the run's bookends are records, not warnings
+        log.log(logging.INFO if routine else logging.WARNING, "event %s: %s", kind, json.dumps(fields))
         if self.rank == 0:
             self._jsonl.write(json.dumps({"kind": kind, **fields}) + "\n")
 
@@ -252,6 +254,19 @@ class Monitor:
                 median_others_s=statistics.median(times[:r] + times[r + 1 :]),
             )
         return slow
+
+    @property
+    def history(self) -> Path:
+        return self.out_dir / "metrics.jsonl"
+
+    def restore_history(self, saved: Path) -> None:
+        """Rank 0, resuming: the run's records up to the checkpoint replace this node's (a new
+        pod has none; a relaunch's include steps the resume trains again)."""
+        if self.rank != 0 or not saved.is_file():
+            return
+        self._jsonl.close()
+        shutil.copyfile(saved, self.history)
+        self._jsonl = open(self.history, "a", buffering=1)
 
     def close(self) -> None:
         if self.rank == 0:

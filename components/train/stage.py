@@ -56,6 +56,10 @@ class TrainResult:
     metrics: Path  # the run's metrics.jsonl, as fetched from the store
 
 
+class TrainFailed(RuntimeError):
+    """Training ran but what it hands back is not whole."""
+
+
 class PreflightNotPassed(RuntimeError):
     """Train was handed a preflight verdict that does not say the fleet and plan passed."""
 
@@ -118,6 +122,10 @@ def run_train(
     # the store is the only channel back from the replicas: nothing is read from their disks
     record = store.fetch(store.manifest(Ref("run", identity, launch.spec.launch_id)))
     result = WorkerResult.from_json(json.loads((record / "result.json").read_text()))
+    final = Ref("checkpoint", model.name, result.checkpoint_version)
+    if not store.exists(final):  # the model's parent must exist, or validate cannot judge it
+        why = "; ".join(result.publish_errors) or "it was never committed"
+        raise TrainFailed(f"training finished but its final checkpoint {final} is not in {store.description}: {why}")
     manifest = store.manifest(Ref.parse(result.model))
     return TrainResult(
         identity,

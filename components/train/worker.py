@@ -187,6 +187,8 @@ def resume(job: Job, state: TrainState) -> Path | None:
         return None
     loaded = ckpt.load(path, job.model, job.optimizer, job.rank)
     meta = loaded["meta"]
+    if meta.get("identity") == job.identity:  # this run's own history (a seed's belongs to its run)
+        job.monitor.restore_history(path / checkpoint_format.HISTORY)
     state.step, state.samples, state.skipped = meta["step"], meta["samples"], meta.get("skipped_steps", 0)
     if "rng" in loaded["rank_state"]:
         torch.set_rng_state(loaded["rank_state"]["rng"])
@@ -309,7 +311,8 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
         }
         if job.scaler is not None:
             meta["scaler_scale"] = job.scaler.get_scale()
-        job.checkpointer.save(state.step, job.model, job.optimizer, meta, {"rng": torch.get_rng_state()})
+        rng = {"rng": torch.get_rng_state()}
+        job.checkpointer.save(state.step, job.model, job.optimizer, meta, rng, job.monitor.history)
 
 
 VAL_BLOCKS = 32  # periodic validation's fixed held-out set: the val split's first blocks
@@ -492,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     job.monitor.close()
     if result is not None:
         hand_back(job, result)
+    dist.barrier()  # every rank is done with the store torchrun's agent serves: a quiet teardown
     dist.destroy_process_group()
     return 0
 

@@ -99,6 +99,18 @@ def test_a_training_failure_is_one_line_with_its_cause(default_run, workdir):
     assert "stage train failed: ResumeError: train.resume=no-such-version: no checkpoint/tiny@no-such-version" in err
 
 
+def test_a_replica_that_fails_is_one_line_with_its_own_exception(default_run, workdir):
+    """The exception a training replica raised, not torchrun's ChildFailedError around it."""
+    from tests.faults import fault_env
+
+    env = {**os.environ, **fault_env(nan_steps=[1, 2]), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pipelines.cli", "run", *FAST, "train.max_bad_steps=2", "train.resume=never"]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    err = one_error_line(proc)
+    assert "stage train failed: LaunchError: " in err and "ChildFailedError" not in err
+    assert "RuntimeError: 2 non-finite steps in a row (train.max_bad_steps=2) and no checkpoint" in err, err
+
+
 def test_known_library_noise_is_filtered_where_it_is_logged():
     """torchao's missing optional GPU kernels and torch's Enum deprecation, logged on every
     import of torchao, are dropped by `components`' logger filters; other records still show."""
