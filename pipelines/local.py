@@ -71,6 +71,7 @@ def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False
                     raise RunFailed(f"{plain(str(e).splitlines()[0])} {where}") from None
                 cause = failed.cause or "its process ended without a Python exception"
                 raise RunFailed(f"stage {failed.name} failed: {cause} {where}") from None
+        files = keep_outputs(folder, stages.ends, store)  # before the tasks' directories go
     eval_ref = task.output if isinstance(task.output, str) else task.outputs["Output"]
     evaluation = store.manifest(Ref.parse(eval_ref))
     return {
@@ -83,7 +84,7 @@ def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False
         "folder": folder,
         "log": log_path,
         "stages": stages.ends,
-        "files": keep_outputs(folder, stages.ends, Path(cfg.train.run_dir), t0),
+        "files": files,
     }
 
 

@@ -339,11 +339,14 @@ class StageLines:
             self.say("        " + row)
 
 
-def keep_outputs(folder: Path, ends: dict[str, StageEnd], run_dir: Path, since: float) -> dict[str, Path]:
+def keep_outputs(folder: Path, ends: dict[str, StageEnd], store) -> dict[str, Path]:
     """Copies into the run folder what a reader opens after the run: the HTML reports under
     names ending in .html (kfp.local names the artifacts `report`, `curves`), preflight's report,
-    and this run's TensorBoard event files (rank 0 wrote them on its node's disk)."""
+    and the run's TensorBoard events, from the model in the store (where they travel: no
+    node's disk is read, and a cached train stage still has them)."""
     import shutil
+
+    from components.store import Ref
 
     wanted = {
         "eval_report.html": ("evaluate", "report"),
@@ -355,15 +358,14 @@ def keep_outputs(folder: Path, ends: dict[str, StageEnd], run_dir: Path, since: 
         src = getattr(ends.get(stage, StageEnd(stage, False, 0, False)).outputs.get(output), "path", None)
         if src and Path(src).is_file():
             kept[name] = Path(shutil.copyfile(src, folder / name))
-    identity = _meta(ends["train"].outputs, "trained_model").get("identity") if "train" in ends else None
-    events = sorted((Path(run_dir) / identity).glob("nodes/*/run/tensorboard/events.*")) if identity else []
-    started = time.time() - (time.perf_counter() - since)
-    fresh = [e for e in events if e.stat().st_mtime >= started - 1]  # a resumed rerun adds its own file
-    if fresh:
-        (folder / "tensorboard").mkdir(exist_ok=True)
-        for e in fresh:
-            shutil.copyfile(e, folder / "tensorboard" / e.name)
-        kept["tensorboard"] = folder / "tensorboard"
+    preflight_html = _meta(ends["preflight"].outputs, "report").get("report_html") if "preflight" in ends else None
+    if preflight_html and Path(preflight_html).is_file():  # the copy preflight published to the store
+        kept["preflight.html"] = Path(shutil.copyfile(preflight_html, folder / "preflight.html"))
+    model_ref = _meta(ends["train"].outputs, "trained_model").get("ref") if "train" in ends else None
+    if model_ref:
+        events = store.fetch(store.manifest(Ref.parse(model_ref))) / "tensorboard"
+        if any(events.glob("events.*")):
+            kept["tensorboard"] = Path(shutil.copytree(events, folder / "tensorboard", dirs_exist_ok=True))
     return kept
 
 
@@ -393,7 +395,7 @@ def summary_lines(result: dict) -> list[str]:
     if train is not None and train.ok:
         lines.append(f"train: {stage_result(train, result['cfg'])}")
     files, folder = result["files"], result["folder"]
-    for name in ("train_curves.html", "preflight.md"):
+    for name in ("train_curves.html", "preflight.html" if "preflight.html" in files else "preflight.md"):
         if name in files:
             lines.append(f"{name.split('.')[0].replace('_', ' ')}: {display_path(files[name])}")
     if "tensorboard" in files:
