@@ -6,6 +6,7 @@ plots drawn where the DOM puts them)."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import shutil
 import subprocess
@@ -101,7 +102,14 @@ def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
         "--hide-scrollbars", f"--user-data-dir={tmp_path / 'chromium-profile'}", f"--window-size={WIDTH},{HEIGHT}",
     ]  # fmt: skip
-    return subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120, check=True)
+    # its own HOME and TMPDIR: what earlier tests in this process pointed them at may be gone
+    home, tmp = tmp_path / "chromium-home", tmp_path / "chromium-tmp"
+    home.mkdir(exist_ok=True)
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "HOME": str(home), "TMPDIR": str(tmp)}
+    proc = subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, f"chromium exited {proc.returncode}: {proc.stderr[-2000:]}"
+    return proc
 
 
 class _Probe(HTMLParser):
