@@ -6,10 +6,11 @@ plots drawn where the DOM puts them)."""
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import shutil
 import subprocess
+import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -97,17 +98,19 @@ def build_report(tmp_path: Path) -> Path:
 def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("chromium")
     assert exe, "chromium is not installed: `make test` installs Debian's package (apt-get install chromium)"
+    # its own HOME, TMPDIR and profile, at a short path: chromium puts its singleton socket
+    # there, and a unix socket path over 107 bytes aborts it (pytest's tmp_path can be longer)
+    short = Path(tempfile.mkdtemp(prefix="chr-", dir="/tmp"))
     flags = [
         "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
         "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--hide-scrollbars", f"--user-data-dir={tmp_path / 'chromium-profile'}", f"--window-size={WIDTH},{HEIGHT}",
+        "--hide-scrollbars", f"--user-data-dir={short / 'profile'}", f"--window-size={WIDTH},{HEIGHT}",
     ]  # fmt: skip
-    # its own HOME and TMPDIR: what earlier tests in this process pointed them at may be gone
-    home, tmp = tmp_path / "chromium-home", tmp_path / "chromium-tmp"
-    home.mkdir(exist_ok=True)
-    tmp.mkdir(exist_ok=True)
-    env = {**os.environ, "HOME": str(home), "TMPDIR": str(tmp)}
-    proc = subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120, env=env)
+    env = {**os.environ, "HOME": str(short), "TMPDIR": str(short)}
+    try:
+        proc = subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     assert proc.returncode == 0, f"chromium exited {proc.returncode}: {proc.stderr[-2000:]}"
     return proc
 
