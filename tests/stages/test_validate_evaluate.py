@@ -89,17 +89,27 @@ def test_flipped_byte_in_the_local_copy_is_caught_too(trained, tmp_path):
         run_validate(ref, defaults("eval"), store)
 
 
-def test_nan_weights_fail_the_forward_check(trained, tmp_path):
+def republish_changed(trained, tmp_path, version: str, change, keep_metadata: bool):
+    """A copy of the store where model/tiny@`version` is the trained model with `change` applied
+    to its exported tensors, published with the original's parents (and metadata)."""
     trainer, ref = trained
     store = copy_store(trainer, tmp_path)
-    src = store.fetch(store.manifest(Ref.parse(ref)))
-    bad = tmp_path / "nan-model"
-    shutil.copytree(src, bad, ignore=shutil.ignore_patterns(".liftoff-verified"))
-    tensors = load_file(str(bad / "model.safetensors"))
-    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
-    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     manifest = store.manifest(Ref.parse(ref))
-    store.publish("model", "tiny", "nan-weights", bad, parents=manifest.parents)
+    bad = tmp_path / version
+    shutil.copytree(store.fetch(manifest), bad, ignore=shutil.ignore_patterns(".liftoff-verified"))
+    tensors = load_file(str(bad / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    metadata = manifest.metadata if keep_metadata else None
+    store.publish("model", "tiny", version, bad, parents=manifest.parents, metadata=metadata)
+    return store
+
+
+def test_nan_weights_fail_the_forward_check(trained, tmp_path):
+    def nan_norm(tensors):
+        tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
+
+    store = republish_changed(trained, tmp_path, "nan-weights", nan_norm, keep_metadata=False)
     with pytest.raises(ValidationFailed, match="checkpoint .* and model .* weights differ|non-finite logits"):
         run_validate("model/tiny@nan-weights", defaults("eval"), store)
 
@@ -108,19 +118,14 @@ def test_nan_weights_fail_the_forward_check(trained, tmp_path):
 def test_an_exported_weight_unlike_the_checkpoint_fails_the_export_check(trained, tmp_path, change):
     """One element of one exported tensor changed (by 1e-3, or to NaN) in a republished model:
     the exact DCP == export comparison names it; a NaN must not slip past it to the later checks."""
-    trainer, ref = trained
-    store = copy_store(trainer, tmp_path)
-    src = store.fetch(store.manifest(Ref.parse(ref)))
-    bad = tmp_path / "changed-model"
-    shutil.copytree(src, bad, ignore=shutil.ignore_patterns(".liftoff-verified"))
-    tensors = load_file(str(bad / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj.weight"
-    weight = tensors[name].clone()
-    weight.view(-1)[7] = weight.view(-1)[7] + 1e-3 if change == "finite" else float("nan")
-    tensors[name] = weight
-    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    manifest = store.manifest(Ref.parse(ref))
-    store.publish("model", "tiny", f"changed-{change}", bad, parents=manifest.parents, metadata=manifest.metadata)
+
+    def one_element(tensors):
+        weight = tensors[name].clone()
+        weight.view(-1)[7] = weight.view(-1)[7] + 1e-3 if change == "finite" else float("nan")
+        tensors[name] = weight
+
+    store = republish_changed(trained, tmp_path, f"changed-{change}", one_element, keep_metadata=True)
     with pytest.raises(ValidationFailed, match=rf"checkpoint .* and model .* weights differ in 1 tensor.*{name}"):
         run_validate(f"model/tiny@changed-{change}", defaults("eval"), store)
 
