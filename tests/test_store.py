@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -210,3 +211,148 @@ def test_a_version_uploaded_in_parts_is_visible_only_once_every_part_is_in(store
     manifest = store.commit(ref, {**mine, **theirs}, metadata={"step": 10})
     out = store.fetch(manifest, tmp_path / "joined")
     assert (out / "__1_0.distcp").read_bytes() == bytes([1]) * 1000 and (out / "__0_0.distcp").is_file()
+
+
+def test_get_range_reads_a_slice_clamped_at_the_end(store):
+    data = bytes(range(256)) * 4
+    store.backend.put_bytes("k/blob", data)
+    assert store.backend.get_range("k/blob", 100, 50) == data[100:150]
+    assert store.backend.get_range("k/blob", 0, 1) == data[:1]
+    assert store.backend.get_range("k/blob", 1000, 100) == data[1000:]  # runs past the end: what is there
+    assert store.backend.get_range("k/blob", 1024, 10) == b""  # starts at the end
+    assert store.backend.get_range("k/blob", 5000, 10) == b""  # starts past it
+    assert store.backend.get_range("k/blob", 10, 0) == b""
+    for length in (1, 0):
+        with pytest.raises(NotFound, match="k/missing"):
+            store.backend.get_range("k/missing", 0, length)
+    with pytest.raises(ValueError, match="offset=-1"):
+        store.backend.get_range("k/blob", -1, 10)
+
+
+def test_read_range_reads_one_file_of_a_version(store, tmp_path):
+    m = store.publish("shard", "corpus", "h1-00003", make_tree(tmp_path / "src", "x7"))
+    whole = b"x7" * 1000
+    assert store.read_range(m, "sub/b.bin", 10, 21) == whole[10:31]
+    assert store.read_range(m, "sub/b.bin", 1990, 100) == whole[1990:]  # clamped to the file's size
+    assert store.read_range(m, "sub/b.bin", 2000, 5) == b""
+    assert store.read_range(m, "a.txt", 0, 1 << 20) == b"alpha x7"
+    with pytest.raises(NotFound, match="shard/corpus/h1-00003/nope.bin"):
+        store.read_range(m, "nope.bin", 0, 1)
+    store.backend.put_bytes("shard/corpus/h1-00003/sub/b.bin", b"short")  # shorter than its manifest says
+    with pytest.raises(IntegrityError, match="shard/corpus/h1-00003/sub/b.bin"):
+        store.read_range(m, "sub/b.bin", 0, 100)
+
+
+def test_the_tokenize_kinds_are_known():
+    from components.store import KINDS
+
+    assert {"dataset", "shard", "tokenizer"} <= set(KINDS)
+
+
+@pytest.fixture
+def source(s3_env, tmp_path):
+    """An s3:// source on the store's endpoint: a bucket of corpus files, and its reader."""
+    import io
+    import uuid
+
+    from components.store import object_source
+    from tests.conftest import store_config
+
+    src = object_source(store_config("minio", tmp_path))
+    bucket = f"src-{uuid.uuid4().hex[:12]}"
+    src.client.make_bucket(bucket)
+    objects = {
+        "corpus/b.jsonl": b'{"text": "bee"}\n',
+        "corpus/a.jsonl": b'{"text": "ay"}\n' * 3,
+        "corpus/sub/c.jsonl": b'{"text": "sea"}\n',
+        "corpus2/not-under-corpus.jsonl": b"{}\n",
+        "single.jsonl": b'{"text": "one"}\n',
+        "dir": b"an object named like a folder\n",
+        "dir/inside.jsonl": b"{}\n",
+    }
+    for key, data in objects.items():
+        src.client.put_object(bucket, key, io.BytesIO(data), len(data))
+    return src, bucket, objects
+
+
+def test_object_source_lists_a_prefix_as_a_folder(source):
+    src, bucket, objects = source
+    for url in (f"s3://{bucket}/corpus", f"s3://{bucket}/corpus/"):
+        listed = src.list(url)
+        assert [o.key for o in listed] == ["corpus/a.jsonl", "corpus/b.jsonl", "corpus/sub/c.jsonl"]
+        assert [o.relpath for o in listed] == ["a.jsonl", "b.jsonl", "sub/c.jsonl"]
+        assert [o.size for o in listed] == [len(objects[o.key]) for o in listed]
+        assert listed[0].url == f"s3://{bucket}/corpus/a.jsonl" and listed[0].bucket == bucket
+        assert [o.etag for o in listed] == [hashlib.md5(objects[o.key]).hexdigest() for o in listed]
+    assert len(src.list(f"s3://{bucket}")) == len(objects)  # the whole bucket
+
+
+def test_object_source_lists_one_named_object(source):
+    src, bucket, objects = source
+    (one,) = src.list(f"s3://{bucket}/corpus/sub/c.jsonl")
+    assert (one.key, one.relpath, one.size) == ("corpus/sub/c.jsonl", "c.jsonl", len(objects["corpus/sub/c.jsonl"]))
+    (folderish,) = src.list(f"s3://{bucket}/dir")  # an object named exactly so wins over the folder
+    assert folderish.key == "dir"
+    assert [o.key for o in src.list(f"s3://{bucket}/dir/")] == ["dir/inside.jsonl"]
+
+
+def test_object_source_refuses_what_is_not_there_naming_the_url(source):
+    from components.store import InvalidKey, StoreError
+
+    src, bucket, _ = source
+    with pytest.raises(NotFound, match=f"s3://{bucket}/corp: no objects"):
+        src.list(f"s3://{bucket}/corp")  # a prefix of names, not a folder
+    with pytest.raises(StoreError, match="s3://no-such-bucket-here/corpus: bucket 'no-such-bucket-here' does not"):
+        src.list("s3://no-such-bucket-here/corpus")
+    with pytest.raises(InvalidKey, match="expected s3://BUCKET"):
+        src.list("/data/corpus")
+
+
+def test_object_source_downloads_the_bytes_it_listed(source, tmp_path):
+    src, bucket, objects = source
+    dest = tmp_path / "dl"
+    for obj in src.list(f"s3://{bucket}/corpus"):
+        src.download(obj, dest / obj.relpath)
+    assert (dest / "sub" / "c.jsonl").read_bytes() == objects["corpus/sub/c.jsonl"]
+    assert (dest / "a.jsonl").read_bytes() == objects["corpus/a.jsonl"]
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == [
+        "a.jsonl",
+        "b.jsonl",
+        "sub/c.jsonl",
+    ]  # no .part left behind
+
+
+def test_object_source_downloads_a_multipart_object_by_its_size(source, tmp_path):
+    import io
+
+    src, bucket, _ = source
+    data = bytes(range(256)) * (6 * 4096 + 3)  # just over 6 MiB: two parts of a multipart upload
+    src.client.put_object(bucket, "big/blob.bin", io.BytesIO(data), -1, part_size=5 * 1024 * 1024)
+    (obj,) = src.list(f"s3://{bucket}/big")
+    assert "-" in obj.etag  # a multipart ETag is no MD5 of the bytes
+    src.download(obj, tmp_path / "blob.bin")
+    assert (tmp_path / "blob.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize(
+    ("replacement", "why"),
+    [(b'{"text": "BEE"}\n', "MD5 mismatch"), (b"other length\n", "downloaded 13 bytes, listed as 16")],
+    ids=["same-size", "other-size"],
+)
+def test_object_source_download_of_changed_bytes_is_an_integrity_error(source, tmp_path, replacement, why):
+    import io
+
+    src, bucket, _ = source
+    (obj,) = src.list(f"s3://{bucket}/corpus/b.jsonl")
+    src.client.put_object(bucket, obj.key, io.BytesIO(replacement), len(replacement))  # changed since listed
+    with pytest.raises(IntegrityError, match=f"s3://{bucket}/corpus/b.jsonl: {why}"):
+        src.download(obj, tmp_path / "dl" / "b.jsonl")
+    assert list((tmp_path / "dl").iterdir()) == []  # neither the file nor its .part
+
+
+def test_object_source_needs_the_minio_backend(tmp_path):
+    from components.store import StoreError, object_source
+    from tests.conftest import store_config
+
+    with pytest.raises(StoreError, match="s3:// sources need store.backend=minio"):
+        object_source(store_config("local", tmp_path))
