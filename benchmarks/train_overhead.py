@@ -114,7 +114,9 @@ def main() -> None:
         ours_runs, bare_runs = [], []
         for attempt in range(RUNS):
             cfg.train.run_dir = f"{tmp}/runs-{attempt}"
-            result = run_train(str(ds.manifest.ref), cfg.model, cfg.train, cfg.cluster, cfg.store, store)
+            result = run_train(
+                str(ds.manifest.ref), cfg.model, cfg.train, cfg.cluster, cfg.store, store, cache_gb=cfg.data.cache_gb
+            )
             steps, _ = read_records(result.run_dir / "metrics.jsonl")
             tokens = cfg.train.micro_batch_size * cfg.data.seq_len * world
             ours_runs.append(steady_rate([s["time"] for s in steps], tokens))

@@ -1,15 +1,15 @@
-"""Token blocks on disk: the Arrow layout the stage writes and the reader training uses.
+"""Token blocks on disk: the Arrow layout the tokenize stage writes and the reader the others use.
 
-A dataset version is a directory:
-    train/, val/        `datasets.save_to_disk` output, one fixed-size-list column `input_ids`
-    tokenizer/          files for `transformers.AutoTokenizer.from_pretrained`
-    stats.json          documents in/dropped, tokens and blocks per split, throughput
+A dataset version is small: `tokenizer/` (files for `transformers.AutoTokenizer`),
+`stats.json`, and a manifest whose `metadata.shards` lists its shard versions. The blocks
+live in those shard versions (`shard/NAME/VERSION-<i>of<n>`), one Arrow IPC stream file per
+split (`train.arrow`, `val.arrow`) with one fixed-size-list column `input_ids`: a file
+`datasets.Dataset.from_file` opens and `pyarrow` memory-maps without a copy.
 """
 
 from __future__ import annotations
 
 import json
-from bisect import bisect_right
 from pathlib import Path
 
 import numpy as np
@@ -38,53 +38,38 @@ class BlockWriter:
         self._sink.close()
 
 
-class TokenBlocks:
-    """O(1) random access to block i of one split, zero-copy over the memory-mapped Arrow file.
+class ShardFile:
+    """O(1) access to block j of one shard file, zero-copy over its memory map: nothing is
+    read until a block is indexed, and indexing returns a numpy view into the map."""
 
-    Resident memory does not grow with the split: nothing is read until a block is
-    indexed, and indexing returns a numpy view into the map.
-    """
-
-    def __init__(self, path: Path, split: str):
-        import datasets
-
-        split_dir = Path(path) / split
-        if not split_dir.is_dir():
-            raise FileNotFoundError(f"no split {split!r} in dataset {path} (has {sorted(_splits(Path(path)))})")
-        if not json.loads((split_dir / "state.json").read_text()).get("_data_files"):
-            # datasets writes an empty split as zero shards, which load_from_disk cannot open
-            self.block_len, self._chunks, self._starts, self._n = 0, [], [0], 0
-            self.dtype = np.dtype(np.uint16)
-            return
-        ds = datasets.load_from_disk(str(split_dir))
-        col = ds.data.table.column(COLUMN)
-        self.block_len = col.type.list_size
-        self._chunks = [c.flatten().to_numpy(zero_copy_only=True).reshape(-1, self.block_len) for c in col.chunks]
-        self._starts = [0]
-        for c in self._chunks:
-            self._starts.append(self._starts[-1] + len(c))
-        self._n = self._starts[-1]
-        self._dataset = ds  # keeps the memory map alive
-        self.dtype = self._chunks[0].dtype if self._chunks else np.dtype(np.uint16)
+    def __init__(self, path: Path, block_len: int):
+        self.path = Path(path)
+        self._map = pa.memory_map(str(self.path))
+        try:
+            table = pa.ipc.open_stream(self._map).read_all()
+        except pa.ArrowInvalid as e:
+            self._map.close()
+            raise ValueError(f"{self.path} is not an Arrow block file: {e}") from None
+        col = table.column(COLUMN) if COLUMN in table.column_names else None
+        if col is None or not pa.types.is_fixed_size_list(col.type) or col.type.list_size != block_len:
+            self._map.close()
+            raise ValueError(f"{self.path}: expected column {COLUMN!r} of {block_len}-token blocks, got {table.schema}")
+        self._chunks = [c.flatten().to_numpy(zero_copy_only=True).reshape(-1, block_len) for c in col.chunks]
+        self._starts = np.cumsum([0] + [len(c) for c in self._chunks])
+        self._table = table  # keeps the buffers (views into the map) alive
 
     def __len__(self) -> int:
-        return self._n
+        return int(self._starts[-1])
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
-            raise IndexError(f"block {i} out of range for {self._n} blocks")
-        c = bisect_right(self._starts, i) - 1
-        return self._chunks[c][i - self._starts[c]]
+    def __getitem__(self, j: int) -> np.ndarray:
+        if not 0 <= j < len(self):
+            raise IndexError(f"block {j} out of range for {len(self)} blocks in {self.path}")
+        c = int(np.searchsorted(self._starts, j, side="right")) - 1
+        return self._chunks[c][j - self._starts[c]]
 
-
-def _splits(path: Path) -> list[str]:
-    return [p.name for p in path.iterdir() if p.is_dir()] if path.is_dir() else []
-
-
-def open_token_blocks(path: str | Path, split: str) -> TokenBlocks:
-    return TokenBlocks(Path(path), split)
+    def close(self) -> None:
+        self._chunks, self._table = [], None
+        self._map.close()
 
 
 def load_stats(path: str | Path) -> dict:

@@ -57,10 +57,11 @@ class StoreBackend(str, Enum):
 @dataclass
 class DataConfig:
     name: str = MISSING  # artifact name in the store
-    paths: list[str] = MISSING  # local jsonl/txt/parquet files or dirs
+    paths: list[str] = MISSING  # local jsonl/txt/parquet files or dirs, or s3://bucket/prefix on the store's endpoint
     hub_name: str | None = MISSING  # a datasets hub name, used when paths is empty
     hub_config: str | None = MISSING
     hub_split: str = MISSING
+    hub_revision: str | None = MISSING  # the hub dataset's commit: a name alone moves upstream
     text_field: str = MISSING
     min_chars: int = MISSING  # documents shorter than this (after strip) are dropped
     max_doc_bytes: int = MISSING  # a longer line in a text source is refused before loading
@@ -68,11 +69,23 @@ class DataConfig:
     val_fraction: float = MISSING
     split_seed: int = MISSING
     seq_len: int = MISSING  # tokens per training sample; blocks hold seq_len + 1
-    num_proc: int = MISSING
+    num_proc: int = MISSING  # tokenizer processes per shard task
+    shards: int = MISSING  # source partitions, each tokenized by its own task (pod)
+    parallelism: int = MISSING  # shard tasks at once (compiled into the pipeline's ParallelFor)
+    cache_gb: float = MISSING  # each node's bound on the train shards it keeps on disk
 
     def check(self, model: ModelConfig | None = None) -> list[str]:
+        pinned = not self.hub_name or self.paths or bool(self.hub_revision)
         rules = [
             ("data.paths", bool(self.paths) or bool(self.hub_name), "give data.paths or data.hub_name"),
+            (
+                "data.hub_revision",
+                pinned,
+                f"pin data.hub_name={self.hub_name} to a commit of the hub repo (its main branch moves)",
+            ),
+            ("data.shards", self.shards >= 1, f"must be >= 1, got {self.shards}"),
+            ("data.parallelism", self.parallelism >= 1, f"must be >= 1, got {self.parallelism}"),
+            ("data.cache_gb", self.cache_gb > 0, f"must be > 0, got {self.cache_gb}"),
             ("data.seq_len", self.seq_len >= 2, f"must be >= 2, got {self.seq_len}"),
             ("data.val_fraction", 0.0 < self.val_fraction < 1.0, f"must be in (0, 1), got {self.val_fraction}"),
             ("data.num_proc", self.num_proc >= 1, f"must be >= 1, got {self.num_proc}"),
@@ -84,16 +97,32 @@ class DataConfig:
         return failed(rules)
 
 
+def from_hub(tok: TokenizerConfig) -> bool:
+    """tokenizer.pretrained names a hub repo, not a local directory (absolute, ./ or ~ paths)."""
+    return bool(tok.pretrained) and not tok.pretrained.startswith(("/", ".", "~"))
+
+
 @dataclass
 class TokenizerConfig:
     pretrained: str | None = MISSING  # hub name or local path; None trains a byte-level BPE
+    revision: str | None = MISSING  # the hub repo's commit, required for a hub name
     vocab_size: int = MISSING  # for the trained BPE
     min_frequency: int = MISSING
+    sample_mb: int = MISSING  # the BPE trains once, on the first sample_mb of training documents
 
     def check(self) -> list[str]:
         ok = self.vocab_size >= 260
+        pinned = not from_hub(self) or bool(self.revision)
         return failed(
-            [("tokenizer.vocab_size", ok, f"must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")]
+            [
+                ("tokenizer.vocab_size", ok, f"must be >= 260 (256 bytes + special tokens), got {self.vocab_size}"),
+                ("tokenizer.sample_mb", self.sample_mb >= 1, f"must be >= 1, got {self.sample_mb}"),
+                (
+                    "tokenizer.revision",
+                    pinned,
+                    f"pin tokenizer.pretrained={self.pretrained} to a commit of the hub repo (its main branch moves)",
+                ),
+            ]
         )
 
 
@@ -190,7 +219,7 @@ class PreflightConfig:
     membw_mb_gpu: int = MISSING
     allreduce_sizes_mb: list[float] = MISSING
     allreduce_sizes_mb_gpu: list[float] = MISSING
-    storage_probe_mb: int = MISSING
+    read_probe_mb: int = MISSING  # a ranged read of one data shard, timed on every node
     zscore_threshold: float = MISSING
     floors: dict[str, float] = MISSING  # metric -> absolute minimum
     min_healthy_nodes: int = MISSING

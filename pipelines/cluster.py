@@ -50,7 +50,9 @@ def render(cfg: DictConfig, out: Path = BUILD) -> list[Path]:
     typed = OmegaConf.to_object(cfg)
     dataset = f"dataset/{typed.data.name}@RENDERED"
     namespace = typed.cluster.namespace or "default"
-    _, _, train = train_launch(dataset, typed.model, typed.train, typed.cluster, typed.store)
+    _, _, train = train_launch(
+        dataset, typed.model, typed.train, typed.cluster, typed.store, cache_gb=typed.data.cache_gb
+    )
     preflight = preflight_launch(dataset, typed.train, typed.cluster, typed.preflight, typed.store)
     written = [compile_pipeline(cfg, out / "pretrain.yaml")]
     (out / "jobs").mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The pretraining DAG: tokenize -> preflight -> train -> validate -> evaluate.
+"""The pretraining DAG: tokenize (plan -> one task per shard -> merge) -> preflight -> train
+-> validate -> evaluate.
 
 One dict parameter per config group; each stage receives only the groups it depends on,
 so KFP's cache skips every stage whose inputs did not change. Preflight is never cached
@@ -17,7 +18,7 @@ from kfp import dsl, kubernetes
 from components.evaluate.component import evaluate as evaluate_op
 from components.k8s import STORE_SECRET_KEYS
 from components.preflight.component import preflight as preflight_op
-from components.tokenize.component import tokenize as tokenize_op
+from components.tokenize.component import tokenize_merge, tokenize_plan, tokenize_shard
 from components.train.component import train as train_op
 from components.validate.component import validate as validate_op
 
@@ -46,8 +47,20 @@ def build_pipeline(cfg: Any):
     def pretrain(
         data: dict, tokenizer: dict, model: dict, train: dict, preflight: dict, eval: dict, cluster: dict, store: dict
     ) -> str:
-        tokenized = on_cluster(tokenize_op(data=data, tokenizer=tokenizer, model=model, store=store), cfg)
-        dataset = tokenized.outputs["dataset"]
+        planned = on_cluster(tokenize_plan(data=data, tokenizer=tokenizer, model=model, store=store), cfg)
+        with dsl.ParallelFor(planned.outputs["shards"], parallelism=cfg.data.parallelism) as shard:
+            sharded = on_cluster(tokenize_shard(shard=shard, data=data, store=store), cfg)
+        merged = on_cluster(
+            tokenize_merge(
+                shards=dsl.Collected(sharded.output),
+                plan=planned.outputs["plan"],
+                data=data,
+                tokenizer=tokenizer,
+                store=store,
+            ),
+            cfg,
+        )
+        dataset = merged.outputs["dataset"]
         checked = on_cluster(
             preflight_op(dataset=dataset, model=model, train=train, cluster=cluster, preflight=preflight, store=store),
             cfg,
@@ -57,6 +70,7 @@ def build_pipeline(cfg: Any):
             train_op(
                 dataset=dataset,
                 preflight_verdict=checked.outputs["verdict"],
+                data=data,
                 model=model,
                 train=train,
                 cluster=cluster,

@@ -6,6 +6,7 @@ the run's log file, and with `-v` to the terminal as well."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -320,10 +321,22 @@ class StageLines:
         self.failed: StageEnd | None = None
 
     def start(self, name: str) -> None:
+        if name.startswith("tokenize-"):  # the fan-out: one status line for plan, shards and merge
+            if name != "tokenize-plan":
+                return
+            name = "tokenize"
         number = f"{STAGES.index(name) + 1}/{len(STAGES)}" if name in STAGES else "?"
         self.say(f"[{number}] {name} ... {stage_plan(name, self.cfg)}")
 
     def end(self, end: StageEnd, lines: list[str]) -> None:
+        if end.name.startswith("tokenize-"):
+            if end.ok and end.name != "tokenize-merge":
+                if end.name.startswith("tokenize-shard"):
+                    self.say(
+                        f"      {'cached' if end.cached else 'ok'} {end.seconds:.1f} s, {end.outputs.get('Output')}"
+                    )
+                return
+            end = dataclasses.replace(end, name="tokenize")
         self.ends[end.name] = end
         if not end.ok:
             self.failed = end

@@ -109,7 +109,9 @@ class Trainer:
         from components.train.stage import run_train
 
         cfg = self.config(*overrides)
-        result = run_train(self.dataset, cfg.model, cfg.train, cfg.cluster, self.store_cfg, self.store)
+        result = run_train(
+            self.dataset, cfg.model, cfg.train, cfg.cluster, self.store_cfg, self.store, cache_gb=cfg.data.cache_gb
+        )
         result.export = self.store.fetch(result.model)  # the model as the store hands it back
         return result
 

@@ -61,10 +61,10 @@ def perplexity(model, blocks, n_blocks: int, batch_size: int, byte_lengths: np.n
 
 def unigram_perplexity(train_blocks, val, n_blocks: int, vocab_size: int, max_train_blocks: int = 200_000) -> float:
     """Perplexity of predicting each val token from train token frequencies alone (add-one
-    smoothed): the bar any trained model should clear."""
-    step = max(1, len(train_blocks) // max_train_blocks)
+    smoothed): the bar any trained model should clear. Counts the first `max_train_blocks`
+    train blocks, in shard order: a bounded read of a dataset of any size."""
     counts = np.ones(vocab_size, dtype=np.float64)
-    for i in range(0, len(train_blocks), step):
+    for i in range(min(len(train_blocks), max_train_blocks)):
         counts += np.bincount(train_blocks[i][1:], minlength=vocab_size)[:vocab_size]
     logp = np.log(counts / counts.sum())
     n = val_blocks(val, n_blocks)

@@ -10,14 +10,16 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from components.blocks import load_tokenizer, open_token_blocks
+from components.blocks import load_tokenizer
 from components.config import EvalConfig
 from components.evaluate.metrics import greedy_samples, perplexity, token_byte_lengths, unigram_perplexity
 from components.evaluate.report import identity_rows, report_html
 from components.hf import load_hf_model
 from components.store import ArtifactStore, Manifest, Ref
+from components.stream import open_split
 
 log = logging.getLogger(__name__)
+UNIGRAM_CACHE_GB = 2.0  # the baseline's train counts read the first shards only: bound what they keep
 
 
 class EvalInputError(ValueError):
@@ -33,15 +35,22 @@ class EvalResult:
     report_path: Path  # the published report.html, fetched: a file a browser opens
 
 
-def measure(model_dir: Path, data_dir: Path, cfg: EvalConfig) -> tuple[dict[str, float], list[dict]]:
+def measure(
+    model_dir: Path, store: ArtifactStore, data: Manifest, cfg: EvalConfig
+) -> tuple[dict[str, float], list[dict]]:
+    """Metrics and samples of one model on the dataset's val split (its shards from the store;
+    the unigram baseline counts the first train blocks, never the whole train split)."""
     model = load_hf_model(model_dir)
-    tokenizer = load_tokenizer(data_dir)
-    val = open_token_blocks(data_dir, "val")
+    tokenizer = load_tokenizer(store.fetch(data))
+    val = open_split(store, data, "val")
     if len(val) == 0:
-        raise EvalInputError(f"{data_dir}: the val split has zero blocks; nothing to evaluate")
+        raise EvalInputError(f"{data.ref}: the val split has zero blocks; nothing to evaluate")
     vocab = model.config.vocab_size
     metrics = perplexity(model, val, cfg.val_blocks, cfg.batch_size, token_byte_lengths(tokenizer, vocab))
-    metrics["unigram_perplexity"] = unigram_perplexity(open_token_blocks(data_dir, "train"), val, cfg.val_blocks, vocab)
+    train = open_split(store, data, "train", cache_gb=UNIGRAM_CACHE_GB)
+    metrics["unigram_perplexity"] = unigram_perplexity(train, val, cfg.val_blocks, vocab)
+    val.close()
+    train.close()
     metrics["perplexity_vs_unigram"] = metrics["val_perplexity"] / metrics["unigram_perplexity"]
     metrics.update(run_lm_eval(model_dir, cfg.lm_eval_tasks))
     return metrics, greedy_samples(model, tokenizer, cfg.prompts, cfg.max_new_tokens)
@@ -83,12 +92,12 @@ def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore) -> EvalR
     if data_ref is None:
         raise EvalInputError(f"{model_ref}: its lineage names no dataset")
     model_dir = store.fetch(model_manifest)
-    data_dir = store.fetch(store.manifest(Ref.parse(data_ref)))
-    metrics, samples = measure(model_dir, data_dir, cfg)
+    data = store.manifest(Ref.parse(data_ref))
+    metrics, samples = measure(model_dir, store, data, cfg)
     deltas = None
     if cfg.baseline:
         base_manifest = store.manifest(Ref.parse(cfg.baseline))
-        base_metrics, _ = measure(store.fetch(base_manifest), data_dir, cfg)
+        base_metrics, _ = measure(store.fetch(base_manifest), store, data, cfg)
         deltas = {k: metrics[k] - base_metrics[k] for k in metrics if k in base_metrics}
         metrics.update({f"baseline_{k}": v for k, v in base_metrics.items()})
     version = f"{model_manifest.ref.version}-{hashlib.sha256(json.dumps(asdict(cfg)).encode()).hexdigest()[:8]}"

@@ -11,7 +11,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.blocks import load_stats
 from components.config import (
     ClusterConfig,
     ModelConfig,
@@ -170,7 +169,7 @@ def run_preflight(
     healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes
     tflops, busbw = plan_inputs(healthy_nodes, train.precision)
     device_gb = cfg.device_memory_gb or min(n["device_memory_gb"] for n in nodes)
-    stats = load_stats(store.fetch(store.manifest(Ref.parse(dataset)))) if dataset else {}
+    stats = store.manifest(Ref.parse(dataset)).metadata.get("stats", {}) if dataset else {}  # no data download
     vocab, seq_len = stats.get("vocab_size"), stats.get("seq_len", model.max_seq_len)
     world = cluster.nodes * cluster.procs_per_node
     step_plan = plan(

@@ -24,18 +24,24 @@ from components.precision import RECIPES
 from components.preflight import bench
 from components.preflight.spec import PreflightSpec
 from components.store import Ref, open_store
+from components.stream import shard_table
+
+READ_CHUNK = 4 << 20  # the probe reads as the shard fetch streams: in ranged chunks
 
 
 def storage_probe(store, dataset: str | None, probe_mb: int, rank: int) -> dict:
-    """Dataset read throughput from the store, and a write/read/delete round trip."""
+    """Read throughput of a bounded ranged read (preflight.read_probe_mb) of the dataset's
+    first train shard, never the dataset itself, and a write/read/delete round trip."""
     out = {}
     if dataset:
-        manifest = store.manifest(Ref.parse(dataset))
-        size = sum(f["size"] for f in manifest.files.values())
-        with tempfile.TemporaryDirectory() as tmp:
-            t0 = time.perf_counter()
-            store.fetch(manifest, Path(tmp) / "data")
-            out["storage_read_mbps"] = size / (time.perf_counter() - t0) / 1e6
+        first = shard_table(store.manifest(Ref.parse(dataset)), "train")[0]["ref"]
+        shard = store.manifest(first)
+        want, got = min(probe_mb << 20, shard.files["train.arrow"]["size"]), 0
+        t0 = time.perf_counter()
+        while got < want:
+            got += len(store.read_range(shard, "train.arrow", got, min(READ_CHUNK, want - got)))
+        out["storage_read_mbps"] = got / (time.perf_counter() - t0) / 1e6
+        out["storage_read_mb"] = got / 2**20
     payload = os.urandom(probe_mb * (1 << 20))
     key = f"preflight-probe/{os.uname().nodename}-{rank}-{os.getpid()}"
     t0 = time.perf_counter()
@@ -58,7 +64,7 @@ def measure_device(cfg: PreflightConfig, spec: PreflightSpec, rank: int, device:
     gpu = device.type == "cuda"
     m["membw_gbps"] = bench.memory_bandwidth_gbps(cfg.membw_mb_gpu if gpu else cfg.membw_mb, 5, device)
     if m["local_rank"] == 0:
-        m.update(storage_probe(store, spec.dataset, cfg.storage_probe_mb, rank))
+        m.update(storage_probe(store, spec.dataset, cfg.read_probe_mb, rank))
     return m
 
 

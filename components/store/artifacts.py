@@ -68,6 +68,7 @@ class ArtifactStore:
     def __init__(self, backend: Backend, cache_dir: Path):
         self.backend = backend
         self.cache_dir = Path(cache_dir)
+        self.config: StoreConfig | None = None  # set by open_store
 
     @property
     def description(self) -> str:
@@ -228,25 +229,33 @@ class ArtifactStore:
         if stamp.is_file() and stamp.read_text() == digest:
             return dest
         dest.mkdir(parents=True, exist_ok=True)
-        for rel, entry in manifest.files.items():
-            key = f"{ref.prefix}/{rel}"
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if not (
-                target.is_file() and target.stat().st_size == entry["size"] and sha256_file(target) == entry["sha256"]
-            ):
-                tmp = target.with_name(f".{target.name}.{os.getpid()}.part")  # ranks of one node may fetch at once
-                self.backend.get_file(key, tmp)
-                got = sha256_file(tmp)
-                if got != entry["sha256"]:
-                    tmp.unlink(missing_ok=True)
-                    raise IntegrityError(
-                        f"sha256 mismatch for {key} in {self.description}: "
-                        f"manifest says {entry['sha256'][:12]}, object is {got[:12]}"
-                    )
-                os.replace(tmp, target)
+        for rel in manifest.files:
+            self.fetch_file(manifest, rel, dest / rel)
         stamp.write_text(digest)
         return dest
+
+    def fetch_file(self, manifest: Manifest, rel: str, target: Path) -> Path:
+        """One file of a version at `target`, verified against the manifest; kept when the
+        file there already matches. Written under a per-process temp name, then renamed."""
+        entry = manifest.files.get(rel)
+        if entry is None:
+            raise NotFound(f"{manifest.ref.prefix}/{rel} is not a file of {manifest.ref}")
+        target = Path(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_file() and target.stat().st_size == entry["size"] and sha256_file(target) == entry["sha256"]:
+            return target
+        key = f"{manifest.ref.prefix}/{rel}"
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.part")  # ranks of one node may fetch at once
+        self.backend.get_file(key, tmp)
+        got = sha256_file(tmp)
+        if got != entry["sha256"]:
+            tmp.unlink(missing_ok=True)
+            raise IntegrityError(
+                f"sha256 mismatch for {key} in {self.description}: "
+                f"manifest says {entry['sha256'][:12]}, object is {got[:12]}"
+            )
+        os.replace(tmp, target)
+        return target
 
     def read_range(self, manifest: Manifest, path: str, offset: int, length: int) -> bytes:
         """length bytes of one file of a version from offset, clamped to the file's size. A range
@@ -280,5 +289,8 @@ class ArtifactStore:
 def open_store(cfg: StoreConfig) -> ArtifactStore:
     """The store the config names; MinIO keys come only from the environment."""
     if cfg.backend == StoreBackend.local:
-        return ArtifactStore(LocalBackend(Path(cfg.root)), Path(cfg.cache_dir))
-    return ArtifactStore(MinioBackend.from_config(cfg), Path(cfg.cache_dir))
+        store = ArtifactStore(LocalBackend(Path(cfg.root)), Path(cfg.cache_dir))
+    else:
+        store = ArtifactStore(MinioBackend.from_config(cfg), Path(cfg.cache_dir))
+    store.config = cfg  # what s3:// data sources connect with: the same endpoint and keys
+    return store

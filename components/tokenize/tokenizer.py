@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
-from components.config import TokenizerConfig
+from components.config import TokenizerConfig, from_hub
 
 EOS = "<|endoftext|>"
 
 
 def tokenizer_identity(cfg: TokenizerConfig) -> str:
-    """What determines the tokenizer, for the dataset fingerprint."""
+    """What determines the tokenizer, for the dataset fingerprint: a hub repo at its
+    revision, a local directory by the sha256 of its files, or the BPE's settings."""
+    if from_hub(cfg):
+        return f"pretrained:{cfg.pretrained}@{cfg.revision}"
     if cfg.pretrained:
-        return f"pretrained:{cfg.pretrained}"
-    return f"bpe:v1:vocab={cfg.vocab_size}:min_frequency={cfg.min_frequency}"
+        root = Path(cfg.pretrained).expanduser()
+        if not root.is_dir():
+            raise ValueError(f"tokenizer.pretrained={cfg.pretrained}: no such directory")
+        h = hashlib.sha256()
+        for f in sorted(p for p in root.rglob("*") if p.is_file()):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+        return f"pretrained-dir:{h.hexdigest()}"
+    return f"bpe:v2:vocab={cfg.vocab_size}:min_frequency={cfg.min_frequency}:sample_mb={cfg.sample_mb}"
 
 
 def load_pretrained(cfg: TokenizerConfig):
@@ -21,7 +31,8 @@ def load_pretrained(cfg: TokenizerConfig):
     from transformers import PreTrainedTokenizerFast
 
     try:
-        tok = PreTrainedTokenizerFast.from_pretrained(cfg.pretrained)
+        where = str(Path(cfg.pretrained).expanduser()) if not from_hub(cfg) else cfg.pretrained
+        tok = PreTrainedTokenizerFast.from_pretrained(where, revision=cfg.revision if from_hub(cfg) else None)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer.pretrained={cfg.pretrained}: cannot load a fast tokenizer: {e}") from None
     if tok.eos_token_id is None:

@@ -10,6 +10,7 @@ from components import STAGE_IMAGE
 def train(
     dataset: Input[Dataset],
     preflight_verdict: Input[Artifact],
+    data: dict,
     model: dict,
     train: dict,
     cluster: dict,
@@ -35,7 +36,9 @@ def train(
 
     enter_task_directory("train")  # under `liftoff run`: a directory of its own, as its pod would have
     verdict = require_passing_verdict(json.loads(Path(preflight_verdict.path).read_text()))
-    g = checked_groups(model=model, train=train, cluster=cluster, store=store)  # UI edits checked like the CLI's
+    g = checked_groups(
+        data=data, model=model, train=train, cluster=cluster, store=store
+    )  # UI edits checked like the CLI's
     store_cfg = g["store"]
     result = run_train(
         json.loads(Path(dataset.path).read_text())["ref"],
@@ -45,6 +48,7 @@ def train(
         store_cfg,
         open_store(store_cfg),
         exclude_nodes=verdict.get("excluded_hosts", []),
+        cache_gb=g["data"].cache_gb,
     )
     print(f"liftoff-stage train compute_s={time.perf_counter() - started:.3f}", flush=True)
     ref = str(result.model.ref)

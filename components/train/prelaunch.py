@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 
-from components.blocks import load_stats
 from components.config import ClusterConfig, ModelConfig, TrainConfig
 from components.precision import recipe
-from components.store import ArtifactStore, Ref
+from components.store import ArtifactStore, Manifest, Ref
+from components.stream import shard_table
 
 
 class TrainInputError(ValueError):
@@ -36,10 +35,12 @@ def check_shape(meta: dict, model: ModelConfig, where: str) -> None:
 
 
 def check_inputs(
-    data_dir: Path, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store: ArtifactStore
+    dataset: Manifest, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store: ArtifactStore
 ) -> None:
-    """Everything that would fail training, checked before anything is launched."""
-    stats = load_stats(data_dir)
+    """Everything that would fail training, checked before anything is launched, from the
+    dataset's manifest alone (its stats and shard list): the driver downloads no data."""
+    stats = dataset.metadata.get("stats", {})
+    shard_table(dataset, "train")
     if model.vocab_size is not None and model.vocab_size < stats["vocab_size"]:
         raise TrainInputError(
             f"dataset/model vocab mismatch: the dataset's tokenizer has {stats['vocab_size']} "

@@ -16,6 +16,7 @@ class TrainSpec(WorkerSpec):
     model: ModelConfig
     store: StoreConfig  # as the replicas reach it (launcher.replica_store)
     dataset: str  # dataset/NAME@VERSION
+    data_cache_gb: float  # data.cache_gb: the node's bound on the shards it keeps
     identity: str  # the training identity: what determines the weights' math
     launch_id: str  # names this launch's run record in the store
     run_dir: str  # inside the replica, relative to its own working directory

@@ -80,7 +80,14 @@ def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> s
 
 
 def train_launch(
-    dataset: str, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store_cfg, exclude_nodes=()
+    dataset: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    cluster: ClusterConfig,
+    store_cfg,
+    exclude_nodes=(),
+    *,
+    cache_gb: float,
 ) -> tuple[str, Path, Launch]:
     """(training identity, run directory, the TorchX job that trains it)."""
     identity = training_identity(dataset, model, train)
@@ -93,6 +100,7 @@ def train_launch(
         model=model,
         store=replica_store(store_cfg, cluster),
         dataset=dataset,
+        data_cache_gb=cache_gb,
         identity=identity,
         launch_id=f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}",
         run_dir="run",
@@ -111,12 +119,15 @@ def run_train(
     store_cfg,
     store: ArtifactStore,
     exclude_nodes: list[str] | tuple[str, ...] = (),
+    *,
+    cache_gb: float,
 ) -> TrainResult:
     """Train on the cluster's nodes except `exclude_nodes` (preflight's verdict)."""
     data_manifest = store.resolve(*_kind_name_version(dataset))
-    data_dir = store.fetch(data_manifest)  # the checks before launch read its stats and tokenizer
-    check_inputs(data_dir, model, train, cluster, store)
-    identity, run_dir, launch = train_launch(str(data_manifest.ref), model, train, cluster, store_cfg, exclude_nodes)
+    check_inputs(data_manifest, model, train, cluster, store)
+    identity, run_dir, launch = train_launch(
+        str(data_manifest.ref), model, train, cluster, store_cfg, exclude_nodes, cache_gb=cache_gb
+    )
     log.info("training identity %s: run directory %s", identity, run_dir)
     run_app(launch)
     # the store is the only channel back from the replicas: nothing is read from their disks

@@ -26,13 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from components import checkpoint_format
-from components.blocks import load_stats, open_token_blocks
 from components.config import ModelConfig, TrainConfig, as_plain_dict, drop_none
 from components.distributed import init_distributed
 from components.launcher import PLUGIN_ENV, worker_spec
 from components.precision import Recipe, recipe
 from components.precision.fp8 import float8_cast_configs, float8_modules
 from components.store import ArtifactStore, Ref, open_store, sha256_file
+from components.stream import StreamingBlocks, open_split
 from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.data import BlockSampler
@@ -72,7 +72,8 @@ class Job:
     device: torch.device
     recipe: Recipe
     fsdp: bool
-    data_dir: Path
+    data_dir: Path  # the dataset version itself: tokenizer and stats (its blocks are in the shards)
+    val: StreamingBlocks
     vocab: int
     sampler: BlockSampler
     model: torch.nn.Module
@@ -107,9 +108,11 @@ def build_job(spec: TrainSpec) -> Job:
     precision = recipe(train.precision)
     precision.check_device(device)
 
-    data_dir = store.fetch(store.manifest(Ref.parse(spec.dataset)))
-    blocks = open_token_blocks(data_dir, "train")
-    vocab = load_stats(data_dir)["vocab_size"]
+    dataset = store.manifest(Ref.parse(spec.dataset))
+    blocks = open_split(store, dataset, "train", spec.data_cache_gb, on_wait=watchdog.beat)
+    val = open_split(store, dataset, "val", spec.data_cache_gb, on_wait=watchdog.beat)
+    vocab = dataset.metadata["stats"]["vocab_size"]
+    data_dir = store.fetch(dataset)
     sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, world, rank, train.seed)
     model = build_model(model_cfg, model_cfg.vocab_size or vocab, train.seed).to(device)
     seq_len = blocks.block_len - 1
@@ -149,6 +152,7 @@ def build_job(spec: TrainSpec) -> Job:
         recipe=precision,
         fsdp=fsdp,
         data_dir=data_dir,
+        val=val,
         vocab=vocab,
         sampler=sampler,
         model=model,
@@ -330,7 +334,7 @@ def val_loss(job: Job) -> tuple[float, int] | None:
     runs it (a collective under FSDP), without gradients; compiled blocks run eagerly."""
     import numpy as np
 
-    val = open_token_blocks(job.data_dir, "val")
+    val = job.val
     n = min(VAL_BLOCKS, len(val))
     if n == 0:
         return None
@@ -359,7 +363,7 @@ def probe_loss(job: Job) -> float | None:
     collective under FSDP: every rank runs it. Compiled blocks run eagerly (no recompile)."""
     import numpy as np
 
-    val = open_token_blocks(job.data_dir, "val")
+    val = job.val
     n = min(PROBE_BLOCKS, len(val))
     if n == 0:
         return None

@@ -7,11 +7,11 @@ import math
 
 import torch
 
-from components.blocks import open_token_blocks
 from components.checkpoint_format import CheckpointError, verify
 from components.config import EvalConfig
 from components.hf import ModelLoadError, load_hf_model
 from components.store import ArtifactStore, Ref
+from components.stream import open_split
 from components.validate.checks import (
     ValidationFailed,
     Verdict,
@@ -58,8 +58,7 @@ def run_validate(model_ref: str, eval_cfg: EvalConfig, store: ArtifactStore) -> 
         )
     verdict.passed("checkpoint_matches_export", checkpoint_max_abs_diff=0.0)
 
-    data_dir = store.fetch(store.manifest(Ref.parse(data_ref)))
-    val = open_token_blocks(data_dir, "val")
+    val = open_split(store, store.manifest(Ref.parse(data_ref)), "val")
     if len(val) == 0:
         raise ValidationFailed(f"{data_ref}: the val split has zero blocks")
     val_loss, finite = mean_loss(model, val, eval_cfg.val_blocks, eval_cfg.batch_size)

@@ -33,7 +33,9 @@ from components.train.stage import run_train
 store_root, run_dir, dataset, *overrides = sys.argv[1:]
 cfg = OmegaConf.to_object(compose([f"train.run_dir={run_dir}", *overrides]))
 store_cfg = defaults("store", root=store_root, cache_dir=store_root + "-cache")
-result = run_train(dataset, cfg.model, cfg.train, cfg.cluster, store_cfg, open_store(store_cfg))
+result = run_train(
+    dataset, cfg.model, cfg.train, cfg.cluster, store_cfg, open_store(store_cfg), cache_gb=cfg.data.cache_gb
+)
 print("RESULT", open_store(store_cfg).fetch(result.model))
 """
 

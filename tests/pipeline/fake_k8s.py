@@ -183,5 +183,5 @@ def train_launch_on(cluster, tmp_path):
     from components.train.stage import train_launch
 
     cfg = OmegaConf.to_object(compose(["store=minio"]))
-    _, _, launch = train_launch("dataset/d@v", cfg.model, cfg.train, cluster, cfg.store)
+    _, _, launch = train_launch("dataset/d@v", cfg.model, cfg.train, cluster, cfg.store, cache_gb=cfg.data.cache_gb)
     return dataclasses.replace(launch, name="train-abc", log_dir=tmp_path / "logs", nodes_dir=tmp_path / "nodes")

@@ -108,7 +108,7 @@ def test_preflight_runs_one_process_per_device_like_training():
     from components.train.stage import train_launch
 
     cfg = OmegaConf.to_object(compose([*CLUSTER, "cluster.namespace=team-a", "cluster.procs_per_node=8"]))
-    _, _, train = train_launch("dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.store)
+    _, _, train = train_launch("dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.store, cache_gb=cfg.data.cache_gb)
     preflight = preflight_launch("dataset/d@v", cfg.train, cfg.cluster, cfg.preflight, cfg.store)
 
     def nproc(launch) -> set[str]:
@@ -129,7 +129,9 @@ def test_train_job_stays_off_the_nodes_preflight_excluded():
     from components.train.stage import train_launch
 
     cfg = OmegaConf.to_object(compose([*CLUSTER, "cluster.namespace=team-a"]))
-    _, _, launch = train_launch("dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.store, ["gpu-node-7"])
+    _, _, launch = train_launch(
+        "dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.store, ["gpu-node-7"], cache_gb=cfg.data.cache_gb
+    )
     job = k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace="team-a").request.resource)
     assert not list(_volcano_validator().iter_errors(job))
     for task in job["spec"]["tasks"]:

@@ -1,0 +1,182 @@
+"""One split of a dataset version, read shard by shard from the store through a bounded cache.
+
+A rank holds only the shards it reads: each is fetched (sha256-verified) into the node's
+cache on first use, the next one in the sample order is fetched in the background while
+the current one is read, and the least recently used files are deleted once the cache
+would pass its budget. The ranks of one node share the cache: a file lock makes one of
+them fetch a shard while the others wait for it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from components.blocks import ShardFile
+from components.store import ArtifactStore, IntegrityError, Manifest, Ref
+
+
+class DatasetLayoutError(ValueError):
+    """A dataset version that does not list its shards (written by an older liftoff, or edited)."""
+
+
+def shard_table(manifest: Manifest, split: str) -> list[dict]:
+    """[{ref, blocks, bytes}] per shard of `split`, checked against the manifest's own totals."""
+    shards = manifest.metadata.get("shards")
+    stats = manifest.metadata.get("stats", {})
+    if not isinstance(shards, list) or not shards or "block_len" not in stats:
+        raise DatasetLayoutError(
+            f"{manifest.ref}: its manifest lists no shards (metadata.shards); it was written by an older "
+            "liftoff: run tokenize again to make a version in the current layout"
+        )
+    try:
+        rows = [
+            {
+                "ref": Ref.parse(s["ref"]),
+                "blocks": int(s["splits"][split]["blocks"]),
+                "bytes": int(s["splits"][split]["bytes"]),
+            }
+            for s in shards
+        ]
+    except (KeyError, TypeError, ValueError) as e:
+        raise DatasetLayoutError(f"{manifest.ref}: bad metadata.shards entry ({e})") from None
+    total = stats.get("splits", {}).get(split, {}).get("blocks")
+    if total != sum(r["blocks"] for r in rows):
+        raise DatasetLayoutError(
+            f"{manifest.ref}: its shards hold {sum(r['blocks'] for r in rows)} {split} blocks, its stats say {total}"
+        )
+    return rows
+
+
+class StreamingBlocks:
+    """Block j of shard s (`block(s, j)`) or global block i (`[i]`, shards in order)."""
+
+    def __init__(
+        self,
+        store: ArtifactStore,
+        manifest: Manifest,
+        split: str,
+        cache_dir: Path,
+        cache_bytes: int,
+        on_wait: Callable[[], None] = lambda: None,
+    ):
+        self.store, self.split, self.cache_bytes, self.on_wait = store, split, int(cache_bytes), on_wait
+        self.shards = shard_table(manifest, split)
+        stats = manifest.metadata["stats"]
+        self.block_len, self.dtype = int(stats["block_len"]), np.dtype(stats["dtype"])
+        self.sizes = [r["blocks"] for r in self.shards]
+        self._starts = np.cumsum([0] + self.sizes)
+        self.cache_dir = Path(cache_dir) / manifest.ref.name / manifest.ref.version / split
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._open: dict[int, ShardFile] = {}  # the shard being read; only the reading thread changes it
+        self._open_paths: set[Path] = set()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
+        self.fetches = 0  # shards this process downloaded (not found in the node's cache)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"block {i} out of range for {len(self)} blocks")
+        s = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self.block(s, i - int(self._starts[s]))
+
+    def block(self, shard: int, j: int) -> np.ndarray:
+        """A copy of the block: the map it comes from is closed once the reader moves on."""
+        f = self._open.get(shard)
+        if f is None:
+            f = self._open_shard(shard)
+        return f[j].copy()
+
+    def prefetch(self, shard: int) -> None:
+        """Fetch a shard in the background (no-op when it is open or already on its way)."""
+        with self._lock:
+            if shard in self._open or shard in self._pending or self.sizes[shard] == 0:
+                return
+            self._pending[shard] = self._pool.submit(self._local_file, shard)
+
+    def _open_shard(self, shard: int) -> ShardFile:
+        with self._lock:
+            fut = self._pending.get(shard) or self._pool.submit(self._local_file, shard)
+            self._pending[shard] = fut
+        while True:  # wait, telling the caller (the watchdog) that data is on its way
+            try:
+                path = fut.result(timeout=1.0)
+                break
+            except TimeoutError:
+                self.on_wait()
+        with self._lock:
+            self._pending.pop(shard, None)
+        f = ShardFile(path, self.block_len)
+        if len(f) != self.sizes[shard]:
+            f.close()
+            raise IntegrityError(f"{path}: {len(f)} blocks, the dataset lists {self.sizes[shard]}")
+        os.utime(path)  # recency for the node's LRU
+        with self._lock:
+            for old in list(self._open):  # one shard open at a time: an evicted file's space comes back
+                self._open.pop(old).close()
+            self._open[shard] = f
+            self._open_paths = {path}
+        return f
+
+    def _path(self, shard: int) -> Path:
+        return self.cache_dir / f"{self.shards[shard]['ref'].version}.arrow"
+
+    def _local_file(self, shard: int) -> Path:
+        """The shard's verified file in the node cache, fetched under the node's lock if absent."""
+        path, row = self._path(shard), self.shards[shard]
+        with open(self.cache_dir / ".lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if path.is_file() and path.stat().st_size == row["bytes"]:
+                    return path  # renamed into place only after its sha256 matched
+                with self._lock:
+                    keep = {path, *self._open_paths}
+                self._evict(row["bytes"], keep)
+                manifest = self.store.manifest(row["ref"])
+                self.store.fetch_file(manifest, f"{self.split}.arrow", path)
+                self.fetches += 1
+                return path
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _evict(self, incoming: int, keep: set[Path]) -> None:
+        """Delete least recently used shard files until `incoming` more bytes fit the budget
+        (never the one being read): disk stays under the budget plus one shard."""
+        files = sorted((p for p in self.cache_dir.glob("*.arrow")), key=lambda p: p.stat().st_mtime)
+        used = sum(p.stat().st_size for p in files)
+        for p in files:
+            if used + incoming <= self.cache_bytes:
+                break
+            if p in keep:
+                continue
+            used -= p.stat().st_size
+            p.unlink(missing_ok=True)  # another rank that maps it keeps reading until it moves on
+
+    def disk_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.cache_dir.glob("*.arrow"))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+
+def open_split(
+    store: ArtifactStore, manifest: Manifest, split: str, cache_gb: float | None = None, **kw
+) -> StreamingBlocks:
+    """A split through the store's cache directory; `cache_gb=None` keeps every shard (small splits)."""
+    budget = int(cache_gb * 2**30) if cache_gb is not None else 1 << 62
+    return StreamingBlocks(store, manifest, split, store.cache_dir / "stream", budget, **kw)

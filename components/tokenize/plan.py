@@ -1,0 +1,155 @@
+"""Before the fan-out: identify the source, choose the dataset version, partition the files
+into shards and make the tokenizer once (trained on a sample, or a pinned pretrained one).
+
+The plan is published with the tokenizer as `tokenizer/NAME/VERSION` (the dataset's
+version): every shard task reads it from the store, so no task depends on another's disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.config import DataConfig, ModelConfig, TokenizerConfig, as_plain_dict
+from components.store import ArtifactStore, Ref
+from components.tokenize.documents import document_keys, load_documents
+from components.tokenize.pack import block_dtype
+from components.tokenize.sources import (
+    DataError,
+    SourceFile,
+    check_line_lengths,
+    local_copies,
+    partition,
+    source_files,
+    source_identity,
+)
+from components.tokenize.tokenizer import load_pretrained, save_tokenizer, tokenizer_identity, train_bpe
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = "blocks-v2"  # bump when the on-disk layout or packing changes
+PLAN = "plan.json"
+
+
+@dataclass
+class Plan:
+    dataset: Ref  # the version the merge publishes
+    partitions: list[list[SourceFile]]  # per shard; empty lists for a hub dataset
+    vocab_size: int
+    eos_token_id: int
+    dtype: str
+
+    @property
+    def shards(self) -> int:
+        return len(self.partitions)
+
+    @property
+    def tokenizer(self) -> Ref:
+        return Ref("tokenizer", self.dataset.name, self.dataset.version)
+
+    def shard_ref(self, index: int) -> Ref:
+        return Ref("shard", self.dataset.name, f"{self.dataset.version}-{index}of{self.shards}")
+
+    def to_json(self) -> str:
+        parts = [[f.to_json() for f in p] for p in self.partitions]
+        d = {"dataset": str(self.dataset), "partitions": parts, "vocab_size": self.vocab_size}
+        return json.dumps({**d, "eos_token_id": self.eos_token_id, "dtype": self.dtype}, indent=1)
+
+    @classmethod
+    def from_json(cls, raw: str) -> Plan:
+        d = json.loads(raw)
+        parts = [[SourceFile.from_json(f) for f in p] for p in d["partitions"]]
+        return cls(Ref.parse(d["dataset"]), parts, int(d["vocab_size"]), int(d["eos_token_id"]), d["dtype"])
+
+
+def dataset_fingerprint(data: DataConfig, tok: TokenizerConfig, source: dict) -> str:
+    """Same source + tokenizer + seq_len + filters + shard count = same version (dedup and the
+    packing are per shard, so the shard count is part of what the blocks are)."""
+    ident = {
+        "format": FORMAT_VERSION,
+        "source": source,
+        "text_field": data.text_field,
+        "tokenizer": tokenizer_identity(tok),
+        "seq_len": data.seq_len,
+        "min_chars": data.min_chars,
+        "dedup": data.dedup,
+        "val_fraction": data.val_fraction,
+        "split_seed": data.split_seed,
+        "shards": data.shards,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_vocab(vocab_size: int, model: ModelConfig, what: str) -> None:
+    if model.vocab_size is not None and vocab_size > model.vocab_size:
+        raise DataError(f"{what} has {vocab_size} tokens, more than model.vocab_size={model.vocab_size}")
+
+
+def objects_for(cfg: DataConfig, store: ArtifactStore):
+    """The client for s3:// sources (the store's endpoint and keys), when the config names any."""
+    if not any(p.startswith("s3://") for p in cfg.paths):
+        return None
+    from components.store import object_source
+
+    if store.config is None:
+        raise DataError("data.paths names s3:// sources: open the store with open_store(cfg) to reach them")
+    return object_source(store.config)
+
+
+def sample_texts(data: DataConfig, files: list[SourceFile], objects, budget_bytes: int):
+    """The first `budget_bytes` of usable, distinct training documents in source order: the
+    same sample whatever data.shards is, so the tokenizer is too."""
+    seen: set[int] = set()
+    used = 0
+    for f in files or [None]:
+        with tempfile.TemporaryDirectory(prefix="liftoff-sample-") as scratch:
+            paths = local_copies([f], objects, Path(scratch)) if f else []
+            for p in paths:
+                check_line_lengths(p, f.uri, data.max_doc_bytes)
+            docs = load_documents(data, paths)
+            for batch in docs.iter(batch_size=1000):
+                keys = document_keys(batch, data.min_chars, data.split_seed)
+                for text, ok, key, draw in zip(batch["text"], keys["usable"], keys["key"], keys["draw"], strict=True):
+                    if not ok or draw < data.val_fraction or (data.dedup and key in seen):
+                        continue
+                    seen.add(key)
+                    yield text
+                    used += len(text.encode("utf-8", "surrogatepass"))
+                    if used >= budget_bytes:
+                        return
+
+
+def make_plan(data: DataConfig, tok: TokenizerConfig, model: ModelConfig, store: ArtifactStore) -> tuple[Plan, bool]:
+    """(the plan, whether the dataset version is already stored). Cheap unless the tokenizer
+    must be trained: listing, hashing local files, and the BPE's sample."""
+    objects = objects_for(data, store)
+    files = source_files(data, objects)
+    partitions = partition(files, data.shards)
+    if not tok.pretrained:
+        check_vocab(tok.vocab_size, model, f"tokenizer.vocab_size={tok.vocab_size}: the BPE")
+    dataset = Ref("dataset", data.name, dataset_fingerprint(data, tok, source_identity(data, files)))
+    tok_ref = Ref("tokenizer", dataset.name, dataset.version)
+    if store.exists(tok_ref):  # planned before: a rerun, or a retry after a shard failed
+        return load_plan(store, tok_ref), store.exists(dataset)
+    if tok.pretrained:
+        tokenizer = load_pretrained(tok)
+    else:
+        log.info("training the BPE tokenizer on the first %d MB of training documents", tok.sample_mb)
+        tokenizer = train_bpe(sample_texts(data, files, objects, tok.sample_mb << 20), tok)
+    check_vocab(len(tokenizer), model, "the tokenizer")
+    plan = Plan(dataset, partitions, len(tokenizer), tokenizer.eos_token_id, block_dtype(len(tokenizer)).name)
+    with tempfile.TemporaryDirectory(prefix="liftoff-plan-") as tmp:
+        save_tokenizer(tokenizer, Path(tmp) / "tokenizer")
+        (Path(tmp) / PLAN).write_text(plan.to_json())
+        meta = {"dataset": str(dataset), "shards": plan.shards, "tokenizer": as_plain_dict(tok)}
+        store.publish("tokenizer", tok_ref.name, tok_ref.version, Path(tmp), metadata=meta)
+    return plan, False
+
+
+def load_plan(store: ArtifactStore, tokenizer: str | Ref) -> Plan:
+    """The plan a shard or merge task works from, fetched (verified) from the store."""
+    ref = tokenizer if isinstance(tokenizer, Ref) else Ref.parse(tokenizer)
+    return Plan.from_json((store.fetch(ref) / PLAN).read_text())
