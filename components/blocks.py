@@ -4,7 +4,9 @@ A dataset version is small: `tokenizer/` (files for `transformers.AutoTokenizer`
 `stats.json`, and a manifest whose `metadata.shards` lists its shard versions. The blocks
 live in those shard versions (`shard/NAME/VERSION-<i>of<n>`), one Arrow IPC stream file per
 split (`train.arrow`, `val.arrow`) with one fixed-size-list column `input_ids`: a file
-`datasets.Dataset.from_file` opens and `pyarrow` memory-maps without a copy.
+`datasets.Dataset.from_file` opens and `pyarrow` memory-maps without a copy. Beside each,
+`<split>-tail.npy` holds the shard's last tokens, fewer than a block: never trained on, kept
+so that every token of every document is stored exactly once.
 """
 
 from __future__ import annotations

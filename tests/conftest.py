@@ -75,11 +75,25 @@ def store(store_cfg):
     return open_store(store_cfg)
 
 
+def split_corpus(dest: Path, parts: int = 8) -> Path:
+    """The shipped corpus as `parts` JSONL files (documents dealt round-robin): a multi-file source."""
+    dest.mkdir(parents=True, exist_ok=True)
+    lines = CORPUS.read_text().splitlines()
+    for i in range(parts):
+        (dest / f"part-{i:02d}.jsonl").write_text("\n".join(lines[i::parts]) + "\n")
+    return dest
+
+
+TRAIN_SHARDS = 4  # the dataset every training test reads: the shipped corpus in 4 shards
+
+
 @pytest.fixture(scope="session")
 def dataset_store(tmp_path_factory) -> Path:
-    """A store holding the tokenized shipped corpus; tests copy it so runs never share checkpoints."""
+    """A store holding the tokenized shipped corpus, split into 8 files and TRAIN_SHARDS shards (so
+    every training test streams shards); tests copy it so runs never share checkpoints."""
     root = tmp_path_factory.mktemp("dataset-store")
-    cfg = OmegaConf.to_object(compose([f"data.paths=[{CORPUS}]"]))
+    corpus = split_corpus(root / "corpus")
+    cfg = OmegaConf.to_object(compose([f"data.paths=[{corpus}]", f"data.shards={TRAIN_SHARDS}"]))
     run_tokenize(
         cfg.data,
         cfg.tokenizer,

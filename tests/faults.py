@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -81,6 +82,9 @@ def install(job, state) -> None:
 
         job.on_step.append(nan_weight)
 
+    if f.get("record_dir"):  # every block this rank trains on, by its global sample number
+        record_batches(job, Path(f["record_dir"]))
+
     def tick(step: int) -> None:
         if job.rank == f.get("hang_rank", -1) and step == f.get("hang_step"):
             log.warning("fault injection: rank %d hangs at step %d", job.rank, step)
@@ -92,6 +96,38 @@ def install(job, state) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     job.on_step.append(tick)
+
+
+def record_batches(job, out: Path) -> None:
+    """Wrap the sampler: append {global sample: blake2b of the block's bytes} per micro-batch to
+    out/rank<r>-<pid>.jsonl, from the rows the reader returned (their content, not indices)."""
+    import hashlib
+
+    sampler, batch = job.sampler, job.sampler.batch
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"rank{job.rank}-{os.getpid()}.jsonl"
+
+    def recorded(sample: int, device):
+        rows = batch(sample, device)
+        first = sample + sampler.rank * sampler.micro
+        seen = {
+            first + i: hashlib.blake2b(r.cpu().numpy().tobytes(), digest_size=8).hexdigest() for i, r in enumerate(rows)
+        }
+        with open(path, "a") as f:
+            f.write(json.dumps(seen) + "\n")
+        return rows
+
+    sampler.batch = recorded
+
+
+def read_batches(out: Path) -> dict[int, list[str]]:
+    """global sample -> the block hashes recorded for it (one per time it was trained on)."""
+    seen: dict[int, list[str]] = {}
+    for p in sorted(out.glob("rank*.jsonl")):
+        for line in p.read_text().splitlines():
+            for k, v in json.loads(line).items():
+                seen.setdefault(int(k), []).append(v)
+    return seen
 
 
 def install_preflight(rank: int) -> None:

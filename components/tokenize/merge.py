@@ -40,6 +40,9 @@ def dataset_stats(plan: Plan, shards: list[Manifest], data: DataConfig) -> dict:
         for k, v in p["dropped"].items():
             dropped[k] = dropped.get(k, 0) + v
     block_len = data.seq_len + 1
+    if sum(splits[s]["documents"] for s in SPLITS) == 0:
+        read = sum(p["documents_in"] for p in per)
+        raise DataError(f"no usable documents: {read} read, dropped {dropped} (data.min_chars={data.min_chars})")
     for split in ("val", "train"):
         if splits[split]["blocks"] == 0:
             raise DataError(

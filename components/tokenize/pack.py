@@ -68,7 +68,8 @@ def pack_token_blocks(shards, block_len: int, dtype: np.dtype, write: Callable[[
     """Stream token shards into consecutive blocks of block_len tokens.
 
     `write(blocks)` receives (n, block_len) arrays in order; the tail shorter than one
-    block is dropped. Memory stays at one shard plus one partial block.
+    block comes back as "tail" (kept beside the blocks, never trained on). Memory stays at
+    one shard plus one partial block.
     """
     carry = np.empty(0, dtype=dtype)
     tokens = blocks = empty_docs = 0
@@ -81,4 +82,4 @@ def pack_token_blocks(shards, block_len: int, dtype: np.dtype, write: Callable[[
             write(stream[: n * block_len].reshape(n, block_len))
             blocks += n
         carry = stream[n * block_len :]
-    return {"tokens": tokens, "blocks": blocks, "documents_without_tokens": empty_docs}
+    return {"tokens": tokens, "blocks": blocks, "documents_without_tokens": empty_docs, "tail": carry}

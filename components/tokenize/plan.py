@@ -99,11 +99,13 @@ def objects_for(cfg: DataConfig, store: ArtifactStore):
     return object_source(store.config)
 
 
-def sample_texts(data: DataConfig, files: list[SourceFile], objects, budget_bytes: int):
+def sample_texts(data: DataConfig, files: list[SourceFile], objects, budget_bytes: int, counts: dict):
     """The first `budget_bytes` of usable, distinct training documents in source order: the
-    same sample whatever data.shards is, so the tokenizer is too."""
+    same sample whatever data.shards is, so the tokenizer is too. `counts` gets documents
+    read and kept."""
     seen: set[int] = set()
     used = 0
+    counts.update(read=0, kept=0)
     for f in files or [None]:
         with tempfile.TemporaryDirectory(prefix="liftoff-sample-") as scratch:
             paths = local_copies([f], objects, Path(scratch)) if f else []
@@ -112,10 +114,12 @@ def sample_texts(data: DataConfig, files: list[SourceFile], objects, budget_byte
             docs = load_documents(data, paths)
             for batch in docs.iter(batch_size=1000):
                 keys = document_keys(batch, data.min_chars, data.split_seed)
+                counts["read"] += len(batch["text"])
                 for text, ok, key, draw in zip(batch["text"], keys["usable"], keys["key"], keys["draw"], strict=True):
                     if not ok or draw < data.val_fraction or (data.dedup and key in seen):
                         continue
                     seen.add(key)
+                    counts["kept"] += 1
                     yield text
                     used += len(text.encode("utf-8", "surrogatepass"))
                     if used >= budget_bytes:
@@ -138,7 +142,13 @@ def make_plan(data: DataConfig, tok: TokenizerConfig, model: ModelConfig, store:
         tokenizer = load_pretrained(tok)
     else:
         log.info("training the BPE tokenizer on the first %d MB of training documents", tok.sample_mb)
-        tokenizer = train_bpe(sample_texts(data, files, objects, tok.sample_mb << 20), tok)
+        counts: dict = {}
+        tokenizer = train_bpe(sample_texts(data, files, objects, tok.sample_mb << 20, counts), tok)
+        if counts["kept"] == 0:
+            raise DataError(
+                f"no usable training documents: {counts['read']} read, none longer than data.min_chars="
+                f"{data.min_chars} outside the val split (the BPE tokenizer trains on them)"
+            )
     check_vocab(len(tokenizer), model, "the tokenizer")
     plan = Plan(dataset, partitions, len(tokenizer), tokenizer.eos_token_id, block_dtype(len(tokenizer)).name)
     with tempfile.TemporaryDirectory(prefix="liftoff-plan-") as tmp:

@@ -51,6 +51,7 @@ def build_shard(plan: Plan, index: int, data: DataConfig, tokenizer, objects, ou
             )
             writer.close()
             size = writer.path.stat().st_size
+            np.save(out / f"{split}-tail.npy", packed.pop("tail"), allow_pickle=False)
             splits[split] = {"documents": len(split_docs), "bytes": size, **packed}
         tok_seconds = time.perf_counter() - t_tok
     tokens = sum(s["tokens"] for s in splits.values())

@@ -10,12 +10,15 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from components.blocks import BlockWriter, load_tokenizer, open_token_blocks
+from components.blocks import BlockWriter, ShardFile, load_tokenizer
 from components.config import compose, defaults
-from components.store import open_store
+from components.store import Ref, open_store
+from components.stream import open_split
+from components.tokenize import plan as plan_module
+from components.tokenize import shard as shard_module
 from components.tokenize import stage
-from components.tokenize.documents import DataError
 from components.tokenize.pack import block_dtype
+from components.tokenize.sources import DataError
 from tests.conftest import CORPUS
 
 
@@ -39,14 +42,26 @@ def source_docs() -> list[str]:
     return [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
 
 
+def blocks_of(cfg, result, split):
+    return open_split(open_store(cfg.store), result.manifest, split)
+
+
+def data_dir(cfg, result) -> Path:
+    return open_store(cfg.store).fetch(result.manifest)  # the version itself: tokenizer and stats
+
+
 def test_output_opens_with_datasets_and_round_trips_to_source(built):
     cfg, result = built
-    dd = datasets.load_from_disk(str(result.path))
-    assert set(dd) == {"train", "val"} and dd["val"].num_rows == result.stats["splits"]["val"]["blocks"]
-    tok = load_tokenizer(result.path)
+    st = open_store(cfg.store)
+    (only,) = result.manifest.metadata["shards"]
+    shard_dir = st.fetch(Ref.parse(only["ref"]))
+    for split in ("train", "val"):  # each shard file is an Arrow file `datasets` opens as it is
+        ds = datasets.Dataset.from_file(str(shard_dir / f"{split}.arrow"))
+        assert ds.num_rows == result.stats["splits"][split]["blocks"] == only["splits"][split]["blocks"]
+    tok = load_tokenizer(data_dir(cfg, result))
     sources = set(source_docs())
     for split in ("val", "train"):
-        blocks = open_token_blocks(result.path, split)
+        blocks = blocks_of(cfg, result, split)
         assert blocks.block_len == cfg.data.seq_len + 1 and blocks.dtype == np.uint16
         ids = np.concatenate([blocks[i] for i in range(len(blocks))]).tolist()
         docs, cur = [], []
@@ -62,11 +77,11 @@ def test_output_opens_with_datasets_and_round_trips_to_source(built):
 
 
 def test_splits_are_disjoint_by_document(built):
-    _, result = built
-    tok = load_tokenizer(result.path)
+    cfg, result = built
+    tok = load_tokenizer(data_dir(cfg, result))
     texts = {}
     for split in ("train", "val"):
-        b = open_token_blocks(result.path, split)
+        b = blocks_of(cfg, result, split)
         flat = np.concatenate([b[i] for i in range(len(b))]).tolist()
         texts[split] = set(tok.decode(flat).split(tok.eos_token)[1:-1])
     assert texts["val"] and not texts["train"] & texts["val"]
@@ -78,7 +93,8 @@ def test_rerun_reuses_version_without_tokenizing(built, monkeypatch, caplog):
     def boom(*a, **k):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(stage, "build_dataset", boom)
+    monkeypatch.setattr(shard_module, "build_shard", boom)
+    monkeypatch.setattr(plan_module, "train_bpe", boom)
     caplog.set_level("INFO")
     again = tokenize(cfg)
     assert again.reused and again.manifest.ref == first.manifest.ref
@@ -90,7 +106,7 @@ def test_changing_seq_len_makes_a_new_version(built):
     cfg.data.seq_len = 32
     other = tokenize(cfg)
     assert not other.reused and other.manifest.ref.version != first.manifest.ref.version
-    assert open_token_blocks(other.path, "train").block_len == 33
+    assert blocks_of(cfg, other, "train").block_len == 33
 
 
 def test_stats_count_drops_and_dedup(tmp_path):
@@ -123,7 +139,7 @@ def test_txt_and_parquet_sources(tmp_path, fmt):
         "data.val_fraction=0.2",
     )
     result = tokenize(cfg)
-    assert result.stats["documents_in"] == 30 and len(open_token_blocks(result.path, "val")) >= 1
+    assert result.stats["documents_in"] == 30 and len(blocks_of(cfg, result, "val")) >= 1
 
 
 def test_block_dtype_is_smallest_sufficient():
@@ -131,35 +147,38 @@ def test_block_dtype_is_smallest_sufficient():
     assert block_dtype(65537) == np.uint32 and block_dtype(128256) == np.uint32
 
 
-def test_reader_random_access_across_chunks(tmp_path):
-    datasets.Dataset.from_dict({"x": [1]}).save_to_disk(str(tmp_path / "unused"))
+def test_shard_file_random_access_across_chunks(tmp_path):
     arrow = tmp_path / "blocks.arrow"
     w = BlockWriter(arrow, 5, np.dtype(np.uint16))
     expected = np.arange(5 * 23, dtype=np.uint16).reshape(23, 5)
     for part in np.array_split(expected, 4):
         w(part)
     w.close()
-    datasets.DatasetDict({"train": datasets.Dataset.from_file(str(arrow))}).save_to_disk(str(tmp_path / "ds"))
-    blocks = open_token_blocks(tmp_path / "ds", "train")
+    blocks = ShardFile(arrow, 5)
     assert len(blocks) == 23
     for i in np.random.default_rng(0).permutation(23):
         np.testing.assert_array_equal(blocks[i], expected[i])
-    np.testing.assert_array_equal(blocks[-1], expected[-1])
     with pytest.raises(IndexError):
         blocks[23]
-    with pytest.raises(FileNotFoundError, match="no split 'test'"):
-        open_token_blocks(tmp_path / "ds", "test")
+    with pytest.raises(ValueError, match="expected column 'input_ids' of 7-token blocks"):
+        ShardFile(arrow, 7)
+    (tmp_path / "junk.arrow").write_bytes(b"not arrow at all")
+    with pytest.raises(ValueError, match="is not an Arrow block file"):
+        ShardFile(tmp_path / "junk.arrow", 5)
 
 
-def published(cfg) -> list:
-    return list(open_store(cfg.store).ls())
+def published(cfg, kind: str | None = None) -> list:
+    return list(open_store(cfg.store).ls(kind))
 
 
-def bad(tmp_path: Path, *overrides: str, match: str):
+def bad(tmp_path: Path, *overrides: str, match: str, error=DataError):
+    """A clear error, and no dataset version stored (the plan's tokenizer and any shard that
+    was built may be: a retry reuses them)."""
     cfg = cfg_for(tmp_path, *overrides)
-    with pytest.raises(DataError, match=match):
+    with pytest.raises(error, match=match):
         tokenize(cfg)
-    assert published(cfg) == []
+    assert published(cfg, "dataset") == []
+    return cfg
 
 
 def test_missing_path(tmp_path):
@@ -179,7 +198,7 @@ def test_missing_text_column_lists_columns(tmp_path):
 def test_zero_usable_documents(tmp_path):
     src = tmp_path / "blank.jsonl"
     src.write_text('{"text": "  "}\n{"text": ""}\n')
-    bad(tmp_path, f"data.paths=[{src}]", match="no usable documents: 2 read")
+    bad(tmp_path, f"data.paths=[{src}]", match="no usable training documents: 2 read")
 
 
 def test_seq_len_too_large_for_one_val_block(tmp_path):
@@ -202,21 +221,32 @@ def test_unparseable_file(tmp_path):
     bad(tmp_path, f"data.paths=[{src}]", match="cannot parse")
 
 
-def test_kfp_component_runs_under_kfp_local(tmp_path):
+def test_kfp_components_plan_shard_and_merge_run_under_kfp_local(tmp_path):
     import kfp.local
 
     from components.config import group_dicts
-    from components.tokenize.component import tokenize as tokenize_component
+    from components.tokenize.component import tokenize_merge, tokenize_plan, tokenize_shard
 
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
     groups = group_dicts(
         compose([f"data.paths=[{CORPUS}]", f"store.root={tmp_path / 'store'}", f"store.cache_dir={tmp_path / 'cache'}"])
     )
-    task = tokenize_component(
+    planned = tokenize_plan(
         data=groups["data"], tokenizer=groups["tokenizer"], model=groups["model"], store=groups["store"]
     )
-    ref = task.outputs["Output"]
-    assert ref.startswith("dataset/kjv@")
-    art = task.outputs["dataset"]
-    assert art.metadata["ref"] == ref and art.metadata["val_blocks"] > 0
+    (item,) = planned.outputs["shards"]
+    shard_ref = tokenize_shard(shard=item, data=groups["data"], store=groups["store"]).output
+    merged = tokenize_merge(
+        shards=[shard_ref],
+        plan=planned.outputs["plan"],
+        data=groups["data"],
+        tokenizer=groups["tokenizer"],
+        store=groups["store"],
+    )
+    ref = merged.outputs["Output"]
+    assert ref.startswith("dataset/kjv@") and shard_ref.startswith("shard/kjv@")
+    art = merged.outputs["dataset"]
+    assert art.metadata["ref"] == ref and art.metadata["val_blocks"] > 0 and art.metadata["shards"] == 1
     assert json.loads(Path(art.path).read_text())["ref"] == ref
+    stored = open_store(defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "c2")))
+    assert [s["ref"] for s in stored.manifest(Ref.parse(ref)).metadata["shards"]] == [shard_ref]

@@ -15,10 +15,11 @@ from components.config import defaults
 from components.launcher import LaunchError
 from components.plots import read_records
 from components.precision import PrecisionError
+from components.store import Ref
 from components.train.data import DataFitError
 from components.train.resume import ResumeError, _decide
-from tests.conftest import Trainer
-from tests.faults import injected
+from tests.conftest import TRAIN_SHARDS, Trainer
+from tests.faults import injected, read_batches
 
 TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
 
@@ -254,15 +255,26 @@ def test_bad_input_fails_before_launch(trainer, overrides, error, match, capfd):
 
 def test_longer_run_resumes_where_the_shorter_ended_on_another_world_size(trainer):
     """`train.steps` and the world size are not the training identity: 20 steps on 2 ranks,
-    then 30 steps on 1 rank continues at step 20 from the 2-rank checkpoint, with the samples
-    after the ones the first leg consumed."""
-    first = trainer.run(*TWO_NODES, "train.steps=20", "train.checkpoint_interval=10")
-    longer = trainer.run("train.steps=30", "train.checkpoint_interval=10")
+    then 30 steps on 1 rank continues at step 20 from the 2-rank checkpoint. The blocks the
+    ranks actually read (hashed from the rows handed to the model, by global sample number)
+    across the two legs are those of an uninterrupted 1-rank run of as many samples: same
+    block at every position, none repeated or skipped, read from the 4 shards of the dataset."""
+    legs, whole = trainer.tmp / "legs", trainer.tmp / "whole"
+    with injected(record_dir=str(legs)):
+        first = trainer.run(*TWO_NODES, "train.steps=20", "train.checkpoint_interval=10")
+        longer = trainer.run("train.steps=30", "train.checkpoint_interval=10")
     assert longer.identity == first.identity and longer.run_dir == first.run_dir
     start = events(longer.metrics, "start")[-1]
     assert start["step"] == 20 and start["world"] == 1 and start["resumed_from"].endswith("step-20")
-    # the sample count continues too: 20 steps x 8 x 2 ranks, then 10 steps x 8 x 1 rank
-    assert ckpt.verify(node_checkpoints(longer, 0) / "step-30")["samples"] == 20 * 8 * 2 + 10 * 8
+    samples = 20 * 8 * 2 + 10 * 8  # 20 steps x 8 x 2 ranks, then 10 steps x 8 x 1 rank
+    assert ckpt.verify(node_checkpoints(longer, 0) / "step-30")["samples"] == samples
+    with injected(record_dir=str(whole)):
+        Trainer(trainer.dataset_store, trainer.tmp / "w").run("train.steps=50")
+    got, want = read_batches(legs), read_batches(whole)
+    assert sorted(got) == sorted(want) == list(range(samples))  # every position once: none skipped or repeated
+    assert got == want  # the same block at each position
+    assert len({h for (h,) in want.values()}) == samples  # within one epoch: no block twice
+    assert len(trainer.store.manifest(Ref.parse(trainer.dataset)).metadata["shards"]) == TRAIN_SHARDS
 
 
 def test_a_shorter_rerun_trains_its_own_steps_instead_of_handing_back_the_longer_model(trainer):
