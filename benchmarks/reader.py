@@ -1,8 +1,10 @@
-"""reader: random block reads/s from `open_token_blocks` vs plain ndarray views of a numpy memmap
-of the same tokens.
+"""reader: random block reads/s from `ShardFile` (the zero-copy map of one shard's Arrow file,
+what the streaming reader opens once a shard is in the node's cache) vs plain ndarray views of
+a numpy memmap of the same tokens.
 
-Both sides read the same random block indices and copy each block into an int64 array, as
-the training loader does. Also prints resident memory after opening and reading from a 1x
+The shard file is written by `BlockWriter` as tokenize writes one (record batches of 1000
+blocks). Both sides read the same random block indices and copy each block into an int64
+array, as the training loader does. Also prints resident memory after opening and reading from a 1x
 and a 10x dataset: it must stay flat (the reader maps the file, it does not load it).
 Target ratio >= 0.8.
 """
@@ -25,14 +27,12 @@ BASE_BLOCKS = int(os.environ.get("BENCH_READER_BLOCKS", "12000"))  # 1x: ~49 MB 
 READS = 50_000
 
 
-def write_dataset(root: Path, n_blocks: int) -> None:
-    """The same random tokens as a liftoff dataset (root/ds) and a flat uint16 file (root/flat.u16)."""
-    import datasets
-
+def write_dataset(root: Path, n_blocks: int) -> Path:
+    """The same random tokens as a shard file (returned) and a flat uint16 file (root/flat.u16)."""
     from components.blocks import BlockWriter
 
     rng = np.random.default_rng(0)
-    arrow = root / "blocks.arrow"
+    arrow = root / "train.arrow"
     writer = BlockWriter(arrow, BLOCK, np.dtype(np.uint16))
     with open(root / "flat.u16", "wb") as flat:
         for start in range(0, n_blocks, 1000):
@@ -40,8 +40,7 @@ def write_dataset(root: Path, n_blocks: int) -> None:
             writer(part)
             flat.write(part.tobytes())
     writer.close()
-    datasets.DatasetDict({"train": datasets.Dataset.from_file(str(arrow))}).save_to_disk(str(root / "ds"))
-    arrow.unlink()
+    return arrow
 
 
 def reads_per_second(get, idx: np.ndarray) -> float:
@@ -52,7 +51,7 @@ def reads_per_second(get, idx: np.ndarray) -> float:
 
 
 def main() -> None:
-    from components.blocks import open_token_blocks
+    from components.blocks import ShardFile
 
     results, rss = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,10 +59,10 @@ def main() -> None:
             root = Path(tmp) / f"x{scale}"
             root.mkdir()
             n = BASE_BLOCKS * scale
-            write_dataset(root, n)
+            arrow = write_dataset(root, n)
             idx = np.random.default_rng(1).integers(0, n, size=READS)
             before = rss_mb("RssAnon")
-            blocks = open_token_blocks(root / "ds", "train")
+            blocks = ShardFile(arrow, BLOCK)
             ours = reads_per_second(blocks.__getitem__, idx)
             rss[scale] = rss_mb("RssAnon") - before
             # the baseline indexes a plain ndarray view of the map: np.memmap's own __getitem__
@@ -72,11 +71,12 @@ def main() -> None:
             np.testing.assert_array_equal(blocks[int(idx[0])], flat[int(idx[0])])  # same tokens both sides
             base = reads_per_second(flat.__getitem__, idx)
             results[scale] = (ours, base)
+            blocks.close()
             del blocks, flat
             gc.collect()
             size_mb = n * BLOCK * 2 / 1e6
             print(
-                f"{scale:>2}x ({size_mb:,.0f} MB): open_token_blocks {ours:,.0f} reads/s, numpy memmap {base:,.0f} "
+                f"{scale:>2}x ({size_mb:,.0f} MB): ShardFile {ours:,.0f} reads/s, numpy memmap {base:,.0f} "
                 f"reads/s, anonymous memory growth {rss[scale]:.1f} MB"
             )
     print(f"anonymous memory growth 1x -> 10x: {rss[1]:.1f} MB -> {rss[10]:.1f} MB", file=sys.stderr)

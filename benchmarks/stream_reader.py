@@ -198,40 +198,45 @@ def build(tmp: Path, endpoint: str):
     for i, row in enumerate(manifest.metadata["shards"]):
         local.append(tmp / "local" / f"{i:03d}.arrow")
         store.fetch_file(store.manifest(Ref.parse(row["ref"])), "train.arrow", local[-1])
-    return manifest, cfg, store_cfg, local
+    return manifest, store_cfg, local
 
 
-def main() -> None:
+def measure(manifest, store_cfg, local_paths: list[Path]) -> tuple[dict[str, list[dict]], float]:
+    """RUNS interleaved rounds of the four configurations; (runs per configuration, step ms)."""
     from components.store import open_store
     from components.stream import open_split
 
+    block_len = manifest.metadata["stats"]["block_len"]
+    step = Step(MATMUL)
+    t = time.perf_counter()
+    for _ in range(20):
+        step()
+    step_ms = (time.perf_counter() - t) / 20 * 1e3
+    runs: dict[str, list[dict]] = {"local": [], "stream": [], "local_raw": [], "stream_raw": []}
+    for r in range(RUNS):
+        for compute, suffix in ((step, ""), (None, "_raw")):
+            runs["local" + suffix].append(consume(lambda: LocalShards(local_paths, block_len), compute))
+            store = open_store(store_cfg(f"node-{r}{suffix}"))  # an empty node cache each run
+            opener = lambda s=store: open_split(s, manifest, "train", CACHE_GB)  # noqa: E731
+            runs["stream" + suffix].append(consume(opener, compute))
+    for name, rs in runs.items():
+        assert len({x["checksum"] for x in rs + runs["local"]}) == 1, f"{name} read other tokens than local"
+    return runs, step_ms
+
+
+def main() -> None:
     torch.set_num_threads(1)
     server, endpoint = start_s3()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            tmp = Path(tmp)
-            manifest, cfg, store_cfg, local_paths = build(tmp, endpoint)
-            block_len = manifest.metadata["stats"]["block_len"]
-            split_bytes = manifest.metadata["stats"]["splits"]["train"]["bytes"]
-            runs: dict[str, list[dict]] = {"local": [], "stream": [], "local_raw": [], "stream_raw": []}
-            step = Step(MATMUL)
-            t = time.perf_counter()
-            for _ in range(20):
-                step()
-            step_ms = (time.perf_counter() - t) / 20 * 1e3
-            for r in range(RUNS):
-                for compute, suffix in ((step, ""), (None, "_raw")):
-                    runs["local" + suffix].append(consume(lambda: LocalShards(local_paths, block_len), compute))
-                    store = open_store(store_cfg(f"node-{r}{suffix}"))  # an empty node cache each run
-                    runs["stream" + suffix].append(consume(lambda s=store: open_split(s, manifest, "train", CACHE_GB), compute))
-            for name, rs in runs.items():
-                assert len({x["checksum"] for x in rs + runs["local"]}) == 1, f"{name} read other tokens"
+            manifest, store_cfg, local_paths = build(Path(tmp), endpoint)
+            runs, step_ms = measure(manifest, store_cfg, local_paths)
     finally:
         server.terminate()
         server.wait(timeout=30)
+    stats = manifest.metadata["stats"]
     med = {name: {k: statistics.median(x[k] for x in rs) for k in ("steady", "cold")} for name, rs in runs.items()}
-    last = runs["stream"][-1]
-    shards = len(local_paths)
+    last, shards, split_bytes = runs["stream"][-1], len(local_paths), stats["splits"]["train"]["bytes"]
     for name, rs in runs.items():
         print(
             f"{name:>10}: steady {[round(x['steady']) for x in rs]} blocks/s, cold {[round(x['cold']) for x in rs]}, "
@@ -240,7 +245,7 @@ def main() -> None:
     print(
         f"{shards} shards, train split {split_bytes / 1e6:.1f} MB, cache budget {CACHE_GB * 2**30 / 1e6:.1f} MB: "
         f"{last['fetches']} fetches, {last['cached']} shard files ({last['cache_bytes'] / 1e6:.1f} MB) left, "
-        f"step stand-in {step_ms:.2f} ms, micro-batch {MICRO} x {block_len} tokens"
+        f"step stand-in {step_ms:.2f} ms, micro-batch {MICRO} x {stats['block_len']} tokens"
     )
     report(
         "stream_reader",
@@ -252,6 +257,8 @@ def main() -> None:
         raw_local=med["local_raw"]["steady"],
         cold_ratio=med["stream"]["cold"] / med["local"]["cold"],
         step_ms=round(step_ms, 2),
+        micro_batch=MICRO,
+        block_len=stats["block_len"],
         shards=shards,
         train_mb=round(split_bytes / 1e6, 1),
         cache_mb=round(CACHE_GB * 2**30 / 1e6, 1),

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,13 +46,16 @@ SHAPE = [
 ]
 
 
-def bare_loop(data_dir: str) -> None:
-    """One rank of the bare DDP loop (run under torchrun); rank 0 prints its tokens/s."""
+def bare_loop(store_root: str, cache_dir: str, dataset: str) -> None:
+    """One rank of the bare DDP loop (run under torchrun); rank 0 prints its tokens/s. It reads the
+    train split as liftoff's workers do, through `open_split` (shards fetched from the store into
+    its own cache, verified, prefetched), so the data path is not part of the difference."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from components.blocks import open_token_blocks
-    from components.config import compose
+    from components.config import compose, defaults
+    from components.store import Ref, open_store
+    from components.stream import open_split
     from components.train.data import BlockSampler
     from components.train.model import build_model
     from components.train.optim import build_optimizer
@@ -62,7 +64,8 @@ def bare_loop(data_dir: str) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    blocks = open_token_blocks(Path(data_dir), "train")
+    store = open_store(defaults("store", root=store_root, cache_dir=cache_dir))
+    blocks = open_split(store, store.manifest(Ref.parse(dataset)), "train", cfg.data.cache_gb)
     sampler = BlockSampler(blocks, cfg.train.micro_batch_size, 1, world, rank, cfg.train.seed)
     model = DistributedDataParallel(build_model(cfg.model, 1024, cfg.train.seed), broadcast_buffers=False)
     opt = build_optimizer(model, cfg.train)
@@ -77,6 +80,7 @@ def bare_loop(data_dir: str) -> None:
         stamps.append(time.perf_counter())
     if rank == 0:
         print(json.dumps({"bare_tokens_per_s": steady_rate(stamps, batch[:, 1:].numel() * world)}))
+    blocks.close()
     dist.destroy_process_group()
 
 
@@ -85,11 +89,11 @@ def steady_rate(stamps: list[float], tokens_per_step: int) -> float:
     return tokens_per_step * (len(stamps) - 1 - first) / (stamps[-1] - stamps[first])
 
 
-def run_bare(data_dir: Path) -> float:
+def run_bare(store_root: str, cache_dir: str, dataset: str) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + ["-m", "benchmarks.train_overhead", "--bare", str(data_dir)],
+        + ["-m", "benchmarks.train_overhead", "--bare", store_root, cache_dir, dataset],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -120,7 +124,7 @@ def main() -> None:
             steps, _ = read_records(result.run_dir / "metrics.jsonl")
             tokens = cfg.train.micro_batch_size * cfg.data.seq_len * world
             ours_runs.append(steady_rate([s["time"] for s in steps], tokens))
-            bare_runs.append(run_bare(ds.path))
+            bare_runs.append(run_bare(f"{tmp}/store", f"{tmp}/bare-cache-{attempt}", str(ds.manifest.ref)))
     ours, bare = max(ours_runs), max(bare_runs)
     pair_ratios = [o / b for o, b in zip(ours_runs, bare_runs, strict=True)]
     print(f"runs: liftoff {[round(r) for r in ours_runs]}, bare {[round(r) for r in bare_runs]} tokens/s")
@@ -139,6 +143,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "--bare" in sys.argv:
-        bare_loop(sys.argv[sys.argv.index("--bare") + 1])
+        i = sys.argv.index("--bare")
+        bare_loop(*sys.argv[i + 1 : i + 4])
     else:
         main()

@@ -92,11 +92,14 @@ def objects_for(cfg: DataConfig, store: ArtifactStore):
     """The client for s3:// sources (the store's endpoint and keys), when the config names any."""
     if not any(p.startswith("s3://") for p in cfg.paths):
         return None
-    from components.store import object_source
+    from components.store import StoreError, object_source
 
     if store.config is None:
         raise DataError("data.paths names s3:// sources: open the store with open_store(cfg) to reach them")
-    return object_source(store.config)
+    try:
+        return object_source(store.config)
+    except StoreError as e:
+        raise DataError(f"data.paths: {e}") from None
 
 
 def sample_texts(data: DataConfig, files: list[SourceFile], objects, budget_bytes: int, counts: dict):

@@ -35,12 +35,22 @@ def check_shape(meta: dict, model: ModelConfig, where: str) -> None:
 
 
 def check_inputs(
-    dataset: Manifest, model: ModelConfig, train: TrainConfig, cluster: ClusterConfig, store: ArtifactStore
+    dataset: Manifest,
+    model: ModelConfig,
+    train: TrainConfig,
+    cluster: ClusterConfig,
+    store: ArtifactStore,
+    cache_gb: float,
 ) -> None:
     """Everything that would fail training, checked before anything is launched, from the
     dataset's manifest alone (its stats and shard list): the driver downloads no data."""
     stats = dataset.metadata.get("stats", {})
-    shard_table(dataset, "train")
+    largest = max(s["bytes"] for s in shard_table(dataset, "train"))
+    if cache_gb * 2**30 < 2 * largest:
+        raise DataFitError(
+            f"data.cache_gb={cache_gb} holds fewer than two of {dataset.ref}'s train shards (the largest is "
+            f"{largest / 2**20:.1f} MiB): each node keeps the shard it reads and the next one; raise data.cache_gb"
+        )
     if model.vocab_size is not None and model.vocab_size < stats["vocab_size"]:
         raise TrainInputError(
             f"dataset/model vocab mismatch: the dataset's tokenizer has {stats['vocab_size']} "

@@ -124,7 +124,7 @@ def run_train(
 ) -> TrainResult:
     """Train on the cluster's nodes except `exclude_nodes` (preflight's verdict)."""
     data_manifest = store.resolve(*_kind_name_version(dataset))
-    check_inputs(data_manifest, model, train, cluster, store)
+    check_inputs(data_manifest, model, train, cluster, store, cache_gb)
     identity, run_dir, launch = train_launch(
         str(data_manifest.ref), model, train, cluster, store_cfg, exclude_nodes, cache_gb=cache_gb
     )
