@@ -10,6 +10,7 @@ from pathlib import Path
 BENCHMARKS = [
     "tokenize",
     "reader",
+    "stream_reader",
     "train_overhead",
     "checkpoint_async",
     "planner_accuracy",

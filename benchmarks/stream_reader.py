@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,7 @@ from omegaconf import OmegaConf
 from benchmarks.common import CORPUS, report
 
 SHARDS = int(os.environ.get("BENCH_STREAM_SHARDS", "8"))
-COPIES = int(os.environ.get("BENCH_STREAM_COPIES", "48"))  # ~3 MB of train blocks per shard at 8 shards
+COPIES = int(os.environ.get("BENCH_STREAM_COPIES", "48"))  # ~2.5 MB of train blocks per shard at 8 shards
 SEQ_LEN = int(os.environ.get("BENCH_STREAM_SEQ_LEN", "2048"))
 CACHE_GB = float(os.environ.get("BENCH_STREAM_CACHE_GB", "0.01"))  # ~10.7 MB: under half the train split
 MICRO = int(os.environ.get("BENCH_STREAM_MICRO", "8"))
@@ -208,17 +209,18 @@ def measure(manifest, store_cfg, local_paths: list[Path]) -> tuple[dict[str, lis
 
     block_len = manifest.metadata["stats"]["block_len"]
     step = Step(MATMUL)
-    t = time.perf_counter()
-    for _ in range(20):
+    for _ in range(5):
         step()
-    step_ms = (time.perf_counter() - t) / 20 * 1e3
+    t = time.perf_counter()
+    for _ in range(50):
+        step()
+    step_ms = (time.perf_counter() - t) / 50 * 1e3
     runs: dict[str, list[dict]] = {"local": [], "stream": [], "local_raw": [], "stream_raw": []}
     for r in range(RUNS):
         for compute, suffix in ((step, ""), (None, "_raw")):
-            runs["local" + suffix].append(consume(lambda: LocalShards(local_paths, block_len), compute))
+            runs["local" + suffix].append(consume(partial(LocalShards, local_paths, block_len), compute))
             store = open_store(store_cfg(f"node-{r}{suffix}"))  # an empty node cache each run
-            opener = lambda s=store: open_split(s, manifest, "train", CACHE_GB)  # noqa: E731
-            runs["stream" + suffix].append(consume(opener, compute))
+            runs["stream" + suffix].append(consume(partial(open_split, store, manifest, "train", CACHE_GB), compute))
     for name, rs in runs.items():
         assert len({x["checksum"] for x in rs + runs["local"]}) == 1, f"{name} read other tokens than local"
     return runs, step_ms
@@ -229,6 +231,7 @@ def main() -> None:
     server, endpoint = start_s3()
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            os.environ["HF_DATASETS_CACHE"] = str(Path(tmp) / "hf")  # datasets' copies of the sources: not ~/.cache
             manifest, store_cfg, local_paths = build(Path(tmp), endpoint)
             runs, step_ms = measure(manifest, store_cfg, local_paths)
     finally:

@@ -37,7 +37,7 @@ from benchmarks.common import CORPUS, report
 
 COPIES = int(os.environ.get("BENCH_TOKENIZE_COPIES", "40"))
 PROCS = int(os.environ.get("BENCH_TOKENIZE_PROCS", str(os.cpu_count() or 1)))
-ROUNDS = int(os.environ.get("BENCH_TOKENIZE_ROUNDS", "2"))
+ROUNDS = int(os.environ.get("BENCH_TOKENIZE_ROUNDS", "3"))
 
 
 def _encode_chunk(args) -> int:

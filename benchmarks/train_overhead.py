@@ -121,7 +121,7 @@ def main() -> None:
             result = run_train(
                 str(ds.manifest.ref), cfg.model, cfg.train, cfg.cluster, cfg.store, store, cache_gb=cfg.data.cache_gb
             )
-            steps, _ = read_records(result.run_dir / "metrics.jsonl")
+            steps, _ = read_records(result.metrics)  # rank 0's metrics.jsonl, as the store hands it back
             tokens = cfg.train.micro_batch_size * cfg.data.seq_len * world
             ours_runs.append(steady_rate([s["time"] for s in steps], tokens))
             bare_runs.append(run_bare(f"{tmp}/store", f"{tmp}/bare-cache-{attempt}", str(ds.manifest.ref)))

@@ -390,9 +390,11 @@ def lineage_lines(node: dict) -> list[str]:
         if n["ref"] in seen:
             return
         seen.add(n["ref"])
-        parents = [p["ref"] for p in n["parents"]]
-        lines.append(f"  {n['ref']}" + (f"  <- {', '.join(parents)}" if parents else ""))
-        for p in n["parents"]:
+        shards = [p for p in n["parents"] if p["ref"].startswith("shard/")]
+        others = [p for p in n["parents"] if not p["ref"].startswith("shard/")]
+        named = [p["ref"] for p in others] + ([f"{len(shards)} shard(s) {shards[0]['ref']}, ..."] if shards else [])
+        lines.append(f"  {n['ref']}" + (f"  <- {', '.join(named)}" if named else ""))
+        for p in others + shards[:1]:  # a dataset of a thousand shards: their lineage is alike
             walk(p)
 
     walk(node)

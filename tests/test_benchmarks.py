@@ -23,3 +23,30 @@ def test_gpu_benchmark_without_cuda_prints_one_line_saying_so_and_exits_0():
     line = json.loads(lines[0])
     assert line["name"] == "gpu" and "no CUDA device" in line["skipped"]
     assert "value" not in line and "ratio" not in line  # no measurement is reported as one
+
+
+def test_stream_reader_benchmark_runs_small_and_reports_both_ratios():
+    """`python -m benchmarks.stream_reader` at toy sizes: its own S3 server, 4 shards, a cache of
+    about two of them (so it evicts). Only that it runs and reports; no rate is judged here."""
+    env = {
+        **os.environ,
+        "BENCH_STREAM_SHARDS": "4",
+        "BENCH_STREAM_COPIES": "1",
+        "BENCH_STREAM_SEQ_LEN": "127",
+        "BENCH_STREAM_CACHE_GB": "0.0002",
+        "BENCH_STREAM_RUNS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stream_reader"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = json.loads(proc.stdout.splitlines()[-1])
+    assert line["name"] == "stream_reader" and line["unit"] == "blocks/s"
+    assert line["value"] > 0 and line["baseline"] > 0 and line["raw_ratio"] > 0
+    assert line["shards"] == line["fetches"] == 4  # every shard came over HTTP once
+    assert line["evicted"] >= 1  # the budget held fewer shards than the split has

@@ -1,21 +1,18 @@
 """KFP components of the tokenize stage: plan -> one shard task per source partition -> merge."""
 
-from typing import NamedTuple
-
 from kfp import dsl
-from kfp.dsl import Dataset, Output
+from kfp.dsl import Artifact, Dataset, Input, Output
 
 from components import STAGE_IMAGE
 
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
-def tokenize_plan(data: dict, tokenizer: dict, model: dict, store: dict) -> NamedTuple(
-    "PlanOutputs", [("shards", list), ("plan", str)]
-):
-    """Partition the source, make the tokenizer once, publish the plan; one item per shard."""
+def tokenize_plan(data: dict, tokenizer: dict, model: dict, store: dict, plan: Output[Artifact]) -> list:
+    """Partition the source, make the tokenizer once, publish the plan; returns one item per
+    shard (the ParallelFor's items). The `plan` artifact points at the plan in the store."""
+    import json
     import logging
     import time
-    from collections import namedtuple
 
     from components.config import checked_groups
     from components.local_pod import enter_task_directory
@@ -26,10 +23,13 @@ def tokenize_plan(data: dict, tokenizer: dict, model: dict, store: dict) -> Name
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     enter_task_directory("tokenize-plan")  # under `liftoff run`: a directory of its own, as its pod would have
     g = checked_groups(data=data, tokenizer=tokenizer, model=model, store=store)  # UI edits checked like the CLI's
-    plan, _ = make_plan(g["data"], g["tokenizer"], g["model"], open_store(g["store"]))
+    made, stored = make_plan(g["data"], g["tokenizer"], g["model"], open_store(g["store"]))
     print(f"liftoff-stage tokenize-plan compute_s={time.perf_counter() - started:.3f}", flush=True)
-    items = [{"plan": str(plan.tokenizer), "index": i} for i in range(plan.shards)]
-    return namedtuple("PlanOutputs", ["shards", "plan"])(items, str(plan.tokenizer))
+    ref = str(made.tokenizer)
+    with open(plan.path, "w") as f:
+        json.dump({"ref": ref, "dataset": str(made.dataset), "shards": made.shards}, f)
+    plan.metadata.update({"ref": ref, "dataset": str(made.dataset), "shards": made.shards, "reused": stored})
+    return [{"plan": ref, "index": i} for i in range(made.shards)]
 
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
@@ -56,7 +56,9 @@ def tokenize_shard(shard: dict, data: dict, store: dict) -> str:
 
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
-def tokenize_merge(shards: list, plan: str, data: dict, tokenizer: dict, store: dict, dataset: Output[Dataset]) -> str:
+def tokenize_merge(
+    shards: list, plan: Input[Artifact], data: dict, tokenizer: dict, store: dict, dataset: Output[Dataset]
+) -> str:
     """Publish the dataset version listing every shard; returns `dataset/NAME@VERSION`.
 
     The artifact holds a pointer (ref.json) to the version in liftoff's store rather than a
@@ -77,7 +79,7 @@ def tokenize_merge(shards: list, plan: str, data: dict, tokenizer: dict, store: 
     enter_task_directory("tokenize-merge")
     g = checked_groups(data=data, tokenizer=tokenizer, store=store)
     st = open_store(g["store"])
-    manifest, reused = merge_shards(load_plan(st, plan), list(shards), g["data"], g["tokenizer"], st)
+    manifest, reused = merge_shards(load_plan(st, plan.metadata["ref"]), list(shards), g["data"], g["tokenizer"], st)
     print(f"liftoff-stage tokenize-merge compute_s={time.perf_counter() - started:.3f}", flush=True)
     ref = str(manifest.ref)
     stats = manifest.metadata["stats"]

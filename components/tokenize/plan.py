@@ -140,7 +140,10 @@ def make_plan(data: DataConfig, tok: TokenizerConfig, model: ModelConfig, store:
     dataset = Ref("dataset", data.name, dataset_fingerprint(data, tok, source_identity(data, files)))
     tok_ref = Ref("tokenizer", dataset.name, dataset.version)
     if store.exists(tok_ref):  # planned before: a rerun, or a retry after a shard failed
-        return load_plan(store, tok_ref), store.exists(dataset)
+        stored = store.exists(dataset)
+        if stored:
+            log.info("dataset %s already in %s: reusing it, no tokenization", dataset, store.description)
+        return load_plan(store, tok_ref), stored
     if tok.pretrained:
         tokenizer = load_pretrained(tok)
     else:

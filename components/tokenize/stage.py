@@ -29,7 +29,6 @@ class TokenizeResult:
 def run_tokenize(data: DataConfig, tok: TokenizerConfig, model: ModelConfig, store: ArtifactStore) -> TokenizeResult:
     plan, stored = make_plan(data, tok, model, store)
     if stored:
-        log.info("dataset %s already in %s: reusing it, no tokenization", plan.dataset, store.description)
         return TokenizeResult(store.manifest(plan.dataset), reused=True)
     log.info("tokenizing into dataset %s: %d shard(s)", plan.dataset, plan.shards)
     refs = [str(run_shard(plan, i, data, store)[0].ref) for i in range(plan.shards)]

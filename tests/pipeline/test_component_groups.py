@@ -12,7 +12,7 @@ import pytest
 
 from components.config import ConfigError, compose, group_dicts
 from components.evaluate.component import evaluate
-from components.tokenize.component import tokenize
+from components.tokenize.component import tokenize_merge, tokenize_plan, tokenize_shard
 from components.validate.component import validate
 from tests.conftest import CORPUS
 
@@ -44,7 +44,8 @@ def no_stage_work(monkeypatch):
         "components.store.open_store",
         "components.validate.stage.run_validate",
         "components.evaluate.stage.run_evaluate",
-        "components.tokenize.stage.run_tokenize",
+        "components.tokenize.plan.make_plan",
+        "components.tokenize.plan.load_plan",
     ):
         monkeypatch.setattr(target, reached)
 
@@ -87,10 +88,28 @@ def test_tokenize_refuses_an_invalid_data_group_naming_the_key(groups, tmp_path,
     """A cross-group rule too: blocks longer than the model's positions."""
     too_long = groups["model"]["max_seq_len"] + 1
     with pytest.raises(ConfigError, match=rf"data.seq_len: {too_long} exceeds model.max_seq_len="):
-        tokenize.python_func(
+        tokenize_plan.python_func(
             data=as_the_ui_sends({**groups["data"], "seq_len": too_long}),
             tokenizer=as_the_ui_sends(groups["tokenizer"]),
             model=as_the_ui_sends(groups["model"]),
             store=as_the_ui_sends(groups["store"]),
-            dataset=artifact(tmp_path, "dataset"),
+            plan=artifact(tmp_path, "plan"),
         )
+
+
+@pytest.mark.parametrize("task", ["shard", "merge"])
+def test_the_shard_and_merge_tasks_check_the_data_group_too(groups, tmp_path, no_stage_work, task):
+    bad = as_the_ui_sends({**groups["data"], "shards": 0})
+    store = as_the_ui_sends(groups["store"])
+    with pytest.raises(ConfigError, match="data.shards: must be >= 1, got 0"):
+        if task == "shard":
+            tokenize_shard.python_func(shard={"plan": "tokenizer/kjv@v", "index": 0.0}, data=bad, store=store)
+        else:
+            tokenize_merge.python_func(
+                shards=[],
+                plan=artifact(tmp_path, "plan", "tokenizer/kjv@v"),
+                data=bad,
+                tokenizer=as_the_ui_sends(groups["tokenizer"]),
+                store=store,
+                dataset=artifact(tmp_path, "dataset"),
+            )

@@ -41,8 +41,11 @@ def test_compile_has_one_dict_per_group_and_no_secrets(in_tmp, capsys):
     tasks = spec["root"]["dag"]["tasks"]
     assert tasks["preflight"]["cachingOptions"] == {}  # caching off: the key is absent
     assert tasks["train"]["cachingOptions"] == {"enableCache": True}
-    assert set(tasks) == {"tokenize", "preflight", "train", "validate", "evaluate"}
-    assert tasks["train"]["inputs"]["parameters"].keys() == {"model", "train", "cluster", "store"}
+    assert set(tasks) == {"tokenize-plan", "for-loop-1", "tokenize-merge", "preflight", "train", "validate", "evaluate"}
+    loop = tasks["for-loop-1"]
+    assert loop["parameterIterator"]["items"]["inputParameter"] == "pipelinechannel--tokenize-plan-Output"
+    assert loop["iteratorPolicy"]["parallelismLimit"] == 4  # data.parallelism, compiled in
+    assert tasks["train"]["inputs"]["parameters"].keys() == {"data", "model", "train", "cluster", "store"}
     platform = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     for executor in platform.values():
         names = {s["secretName"] for s in executor["secretAsEnv"]}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import main
-from tests.conftest import CORPUS
+from tests.conftest import CORPUS, split_corpus
 
 FAST = [
     f"data.paths=[{CORPUS}]",
@@ -29,7 +29,7 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 def executed(out: str) -> list[str]:
-    return re.findall(r"Executing task \S*'(\w+)'", out)
+    return re.findall(r"Executing task \S*'([\w-]+)'", out)
 
 
 def run_logs(root) -> str:
@@ -45,8 +45,9 @@ def test_sweep_runs_every_job_tokenizes_once_and_reruns_only_what_changed(in_tmp
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     assert "train.lr=0.003" in (sweep / "1" / ".hydra" / "overrides.yaml").read_text()
     logs = run_logs(sweep)
-    assert executed(logs).count("tokenize") == 1  # the second job's tokenize is a cache hit
-    assert "Task tokenize cache hit" in caplog.text and re.search(r"^\s+cached [\d.]+ s, dataset/kjv@", out, re.M)
+    assert executed(logs).count("tokenize-plan") == 1  # the second job's tokenize tasks are cache hits
+    assert executed(logs).count("tokenize-merge") == 1
+    assert "Task tokenize-merge cache hit" in caplog.text and re.search(r"^\s+cached [\d.]+ s, dataset/kjv@", out, re.M)
     assert executed(logs).count("train") == 2 and executed(logs).count("validate") == 2
     assert executed(logs).count("evaluate") == 2 and executed(logs).count("preflight") == 2
     header = "| job | overrides | model | train loss | val loss | val perplexity | tokens/s | wall s | reused |"
@@ -61,8 +62,12 @@ def test_sweep_runs_every_job_tokenizes_once_and_reruns_only_what_changed(in_tmp
 
 
 def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
-    assert main(["run", *FAST]) == 0
+    """The default experiment over a multi-file corpus fanned out into 4 shard tasks
+    (dsl.ParallelFor, merged with dsl.Collected) that training streams from the store."""
+    sharded = [f"data.paths=[{split_corpus(in_tmp / 'corpus')}]", "data.shards=4", *FAST[1:]]
+    assert main(["run", *sharded]) == 0
     out = capfd.readouterr().out
+    assert executed(run_logs(in_tmp / "runs")).count("tokenize-shard") == 4
     assert "val_perplexity:" in out and "artifacts (each <- what it was made from):" in out
     report = re.search(r"^report: (\S+)$", out, re.M).group(1)  # the summary's last line
     assert out.rstrip().endswith(report) and report.endswith(".html")
@@ -88,8 +93,13 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     # one-job sweep, its table flags the model as the one the first run made
     import shutil
 
+    parents = store.manifest(Ref.parse(model_ref)).parents
+    dataset = store.manifest(Ref.parse(next(p for p in parents if p.startswith("dataset/"))))
+    assert len(dataset.metadata["shards"]) == 4 and dataset.parents[1:] == [
+        s["ref"] for s in dataset.metadata["shards"]
+    ]
     shutil.rmtree(in_tmp / "local_outputs")
-    assert main(["run", "-m", *FAST]) == 0
+    assert main(["run", "-m", *sharded]) == 0
     assert "reusing it, no tokenization" in run_logs(in_tmp / "multirun")
     row = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("| 0 |"))
     assert model_ref.split("@")[1] in row and row.endswith("| yes (same model as before) |")
@@ -138,5 +148,5 @@ def test_a_group_edited_as_the_ui_sends_it_fails_in_the_stage_naming_the_key(in_
     out = "\n".join(capfd.readouterr())
     stage_lines = [ln for ln in out.splitlines() if "ConfigError: invalid config: train.warmup_steps" in ln]
     assert stage_lines and "must be >= 0 and < train.steps=10" in stage_lines[-1]
-    assert executed(out) == ["tokenize", "preflight"]  # train never launched
+    assert executed(out) == ["tokenize-plan", "tokenize-shard", "tokenize-merge", "preflight"]  # train never launched
     assert not (in_tmp / "runs").exists()

@@ -129,7 +129,8 @@ def test_a_failing_shard_names_itself_and_its_files_and_no_dataset_is_published(
     # a pretrained tokenizer: the plan reads no document, so the broken file is the shard's to find
     cfg = configured(bad, store_cfg, "data.shards=4", f"tokenizer.pretrained={tokenizer}")
     with pytest.raises(
-        ShardError, match=r"shard 4/4 of dataset/kjv@\w+ \(\S+/part-07.jsonl\): data.paths: cannot parse \S+/part-07.jsonl"
+        ShardError,
+        match=r"shard 4/4 of dataset/kjv@\w+ \(\S+/part-07.jsonl\): data.paths: cannot parse \S+/part-07.jsonl",
     ):
         tokenize(cfg)
     store = open_store(cfg.store)

@@ -221,32 +221,45 @@ def test_unparseable_file(tmp_path):
     bad(tmp_path, f"data.paths=[{src}]", match="cannot parse")
 
 
-def test_kfp_components_plan_shard_and_merge_run_under_kfp_local(tmp_path):
+def test_plan_shards_and_merge_fan_out_under_kfp_local(tmp_path):
+    """The stage as the pipeline wires it: plan -> dsl.ParallelFor over its items -> merge of the
+    dsl.Collected shard refs, run by kfp.local, each task a process of its own."""
     import kfp.local
+    from kfp import dsl
 
     from components.config import group_dicts
     from components.tokenize.component import tokenize_merge, tokenize_plan, tokenize_shard
+    from tests.conftest import split_corpus
 
+    corpus = split_corpus(tmp_path / "corpus", parts=3)
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
-    groups = group_dicts(
-        compose([f"data.paths=[{CORPUS}]", f"store.root={tmp_path / 'store'}", f"store.cache_dir={tmp_path / 'cache'}"])
-    )
-    planned = tokenize_plan(
+    overrides = [f"data.paths=[{corpus}]", "data.shards=3", f"store.root={tmp_path / 'store'}"]
+    groups = group_dicts(compose([*overrides, f"store.cache_dir={tmp_path / 'cache'}"]))
+
+    def fan_out(data, tokenizer, model, store):
+        planned = tokenize_plan(data=data, tokenizer=tokenizer, model=model, store=store)
+        with dsl.ParallelFor(planned.outputs["Output"], parallelism=2) as item:
+            shard = tokenize_shard(shard=item, data=data, store=store)
+        merged = tokenize_merge(
+            shards=dsl.Collected(shard.output),
+            plan=planned.outputs["plan"],
+            data=data,
+            tokenizer=tokenizer,
+            store=store,
+        )
+        return merged.outputs["Output"]
+
+    # real types, not this module's postponed (string) annotations, for KFP's signature reading
+    fan_out.__annotations__ = {"data": dict, "tokenizer": dict, "model": dict, "store": dict, "return": str}
+    fan_out = dsl.pipeline(fan_out)
+    ref = fan_out(
         data=groups["data"], tokenizer=groups["tokenizer"], model=groups["model"], store=groups["store"]
-    )
-    (item,) = planned.outputs["shards"]
-    shard_ref = tokenize_shard(shard=item, data=groups["data"], store=groups["store"]).output
-    merged = tokenize_merge(
-        shards=[shard_ref],
-        plan=planned.outputs["plan"],
-        data=groups["data"],
-        tokenizer=groups["tokenizer"],
-        store=groups["store"],
-    )
-    ref = merged.outputs["Output"]
-    assert ref.startswith("dataset/kjv@") and shard_ref.startswith("shard/kjv@")
-    art = merged.outputs["dataset"]
-    assert art.metadata["ref"] == ref and art.metadata["val_blocks"] > 0 and art.metadata["shards"] == 1
-    assert json.loads(Path(art.path).read_text())["ref"] == ref
+    ).output
+    assert ref.startswith("dataset/kjv@")
     stored = open_store(defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "c2")))
-    assert [s["ref"] for s in stored.manifest(Ref.parse(ref)).metadata["shards"]] == [shard_ref]
+    manifest = stored.manifest(Ref.parse(ref))
+    version = manifest.ref.version
+    assert [s["ref"] for s in manifest.metadata["shards"]] == [f"shard/kjv@{version}-{i}of3" for i in range(3)]
+    for i, entry in enumerate(manifest.metadata["shards"]):  # each shard read its own file of the source
+        (source,) = stored.manifest(Ref.parse(entry["ref"])).metadata["sources"]
+        assert source["relpath"] == f"part-{i:02d}.jsonl"
