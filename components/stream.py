@@ -3,8 +3,8 @@
 A rank holds only the shards it reads: each is fetched (sha256-verified) into the node's
 cache on first use, the next one in the sample order is fetched in the background while
 the current one is read, and the least recently used files are deleted once the cache
-would pass its budget. The ranks of one node share the cache: a file lock makes one of
-them fetch a shard while the others wait for it.
+would pass its budget. The ranks of one node share the cache: a lock file per shard makes
+one of them fetch it while the others wait for that shard only.
 """
 
 from __future__ import annotations
@@ -118,7 +118,10 @@ class StreamingBlocks:
                 self.on_wait()
         with self._lock:
             self._pending.pop(shard, None)
-        f = ShardFile(path, self.block_len)
+        try:
+            f = ShardFile(path, self.block_len)
+        except FileNotFoundError:  # another rank of the node evicted it between its check and our open
+            f = ShardFile(self._local_file(shard), self.block_len)
         if len(f) != self.sizes[shard]:
             f.close()
             raise IntegrityError(f"{path}: {len(f)} blocks, the dataset lists {self.sizes[shard]}")
@@ -136,7 +139,7 @@ class StreamingBlocks:
     def _local_file(self, shard: int) -> Path:
         """The shard's verified file in the node cache, fetched under the node's lock if absent."""
         path, row = self._path(shard), self.shards[shard]
-        with open(self.cache_dir / ".lock", "a+") as lock:
+        with open(self.cache_dir / f".{path.name}.lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if path.is_file() and path.stat().st_size == row["bytes"]:

@@ -494,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             validate(job, step)
         checkpoint_or_rollback(job, state, record)
     result = finish(job, state)
+    job.sampler.blocks.close()  # no prefetch left running
+    job.val.close()
     if result is not None:
         job.monitor.event("end", **result.to_json())
     job.monitor.close()

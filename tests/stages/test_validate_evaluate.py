@@ -191,21 +191,19 @@ def test_unknown_lm_eval_task_is_a_clear_error(trained):
 
 
 def test_zero_val_blocks_is_a_clear_error(trained, tmp_path):
-    import datasets
-    import numpy as np
+    """A dataset version (published by another tool, say) whose shards list no val block."""
+    import copy
 
-    from components.blocks import BlockWriter
     from components.evaluate.stage import measure
 
     trainer, ref = trained
     store = copy_store(trainer, tmp_path)
     model = store.manifest(Ref.parse(ref))
-    data_ref = next(p for p in model.parents if p.startswith("dataset/"))
-    data_dir = tmp_path / "empty-val"
-    shutil.copytree(store.fetch(store.manifest(Ref.parse(data_ref))), data_dir)
-    shutil.rmtree(data_dir / "val")
-    w = BlockWriter(tmp_path / "empty.arrow", 65, np.dtype(np.uint16))
-    w.close()
-    datasets.Dataset.from_file(str(tmp_path / "empty.arrow")).save_to_disk(str(data_dir / "val"))
+    data = store.manifest(Ref.parse(next(p for p in model.parents if p.startswith("dataset/"))))
+    meta = copy.deepcopy(data.metadata)
+    meta["stats"]["splits"]["val"]["blocks"] = 0
+    for shard in meta["shards"]:
+        shard["splits"]["val"]["blocks"] = 0
+    empty = store.publish("dataset", "empty-val", "v1", store.fetch(data), metadata=meta, parents=data.parents)
     with pytest.raises(EvalInputError, match="val split has zero blocks"):
-        measure(store.fetch(model), data_dir, defaults("eval"))
+        measure(store.fetch(model), store, empty, defaults("eval"))
