@@ -12,6 +12,7 @@ so that every token of every document is stored exactly once.
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from pathlib import Path
 
 import numpy as np
@@ -57,16 +58,18 @@ class ShardFile:
             self._map.close()
             raise ValueError(f"{self.path}: expected column {COLUMN!r} of {block_len}-token blocks, got {table.schema}")
         self._chunks = [c.flatten().to_numpy(zero_copy_only=True).reshape(-1, block_len) for c in col.chunks]
-        self._starts = np.cumsum([0] + [len(c) for c in self._chunks])
+        self._starts = [0]
+        for c in self._chunks:
+            self._starts.append(self._starts[-1] + len(c))
         self._table = table  # keeps the buffers (views into the map) alive
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return self._starts[-1]
 
     def __getitem__(self, j: int) -> np.ndarray:
-        if not 0 <= j < len(self):
+        if not 0 <= j < self._starts[-1]:
             raise IndexError(f"block {j} out of range for {len(self)} blocks in {self.path}")
-        c = int(np.searchsorted(self._starts, j, side="right")) - 1
+        c = bisect_right(self._starts, j) - 1
         return self._chunks[c][j - self._starts[c]]
 
     def close(self) -> None:

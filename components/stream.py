@@ -9,11 +9,13 @@ one of them fetch it while the others wait for that shard only.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +78,7 @@ class StreamingBlocks:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._open: dict[int, ShardFile] = {}  # the shard being read; only the reading thread changes it
         self._open_paths: set[Path] = set()
+        self._ready: set[Path] = set()  # fetched by this process, not yet opened: not to evict
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
@@ -114,7 +117,7 @@ class StreamingBlocks:
             try:
                 path = fut.result(timeout=1.0)
                 break
-            except TimeoutError:
+            except FutureTimeout:
                 self.on_wait()
         with self._lock:
             self._pending.pop(shard, None)
@@ -125,12 +128,14 @@ class StreamingBlocks:
         if len(f) != self.sizes[shard]:
             f.close()
             raise IntegrityError(f"{path}: {len(f)} blocks, the dataset lists {self.sizes[shard]}")
-        os.utime(path)  # recency for the node's LRU
+        with contextlib.suppress(FileNotFoundError):  # evicted by another rank: our map stays valid
+            os.utime(path)  # recency for the node's LRU
         with self._lock:
             for old in list(self._open):  # one shard open at a time: an evicted file's space comes back
                 self._open.pop(old).close()
             self._open[shard] = f
             self._open_paths = {path}
+            self._ready.discard(path)
         return f
 
     def _path(self, shard: int) -> Path:
@@ -143,38 +148,55 @@ class StreamingBlocks:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if path.is_file() and path.stat().st_size == row["bytes"]:
+                    with self._lock:
+                        self._ready.add(path)
                     return path  # renamed into place only after its sha256 matched
                 with self._lock:
-                    keep = {path, *self._open_paths}
+                    keep = {path, *self._open_paths, *self._ready}
                 self._evict(row["bytes"], keep)
                 manifest = self.store.manifest(row["ref"])
                 self.store.fetch_file(manifest, f"{self.split}.arrow", path)
                 self.fetches += 1
+                with self._lock:
+                    self._ready.add(path)
                 return path
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _evict(self, incoming: int, keep: set[Path]) -> None:
         """Delete least recently used shard files until `incoming` more bytes fit the budget
-        (never the one being read): disk stays under the budget plus one shard."""
-        files = sorted((p for p in self.cache_dir.glob("*.arrow")), key=lambda p: p.stat().st_mtime)
-        used = sum(p.stat().st_size for p in files)
-        for p in files:
+        (never the one being read or one fetched and not yet opened): disk stays under the
+        budget plus one shard."""
+        files = sorted(_cached(self.cache_dir).items(), key=lambda kv: kv[1][1])  # oldest use first
+        used = sum(size for size, _ in dict(files).values())
+        for p, (size, _) in files:
             if used + incoming <= self.cache_bytes:
                 break
             if p in keep:
                 continue
-            used -= p.stat().st_size
+            used -= size
             p.unlink(missing_ok=True)  # another rank that maps it keeps reading until it moves on
 
     def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.cache_dir.glob("*.arrow"))
+        return sum(size for size, _ in _cached(self.cache_dir).values())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         for f in self._open.values():
             f.close()
         self._open.clear()
+
+
+def _cached(folder: Path) -> dict[Path, tuple[int, float]]:
+    """Shard files in a cache folder: size and last use. Another rank may delete one meanwhile."""
+    out = {}
+    for p in folder.glob("*.arrow"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        out[p] = (st.st_size, st.st_mtime)
+    return out
 
 
 def open_split(
