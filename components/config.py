@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -75,13 +76,14 @@ class DataConfig:
     cache_gb: float = MISSING  # each node's bound on the train shards it keeps on disk
 
     def check(self, model: ModelConfig | None = None) -> list[str]:
-        pinned = not self.hub_name or self.paths or bool(self.hub_revision)
+        pinned = not self.hub_name or bool(self.paths) or is_commit(self.hub_revision)
         rules = [
             ("data.paths", bool(self.paths) or bool(self.hub_name), "give data.paths or data.hub_name"),
             (
                 "data.hub_revision",
                 pinned,
-                f"pin data.hub_name={self.hub_name} to a commit of the hub repo (its main branch moves)",
+                f"pin data.hub_name={self.hub_name} to a commit of the hub repo, its 40-hex sha (a branch or tag "
+                f"moves), got {self.hub_revision}",
             ),
             ("data.shards", self.shards >= 1, f"must be >= 1, got {self.shards}"),
             ("data.parallelism", self.parallelism >= 1, f"must be >= 1, got {self.parallelism}"),
@@ -95,6 +97,11 @@ class DataConfig:
             ok = self.seq_len <= model.max_seq_len
             rules.append(("data.seq_len", ok, f"{self.seq_len} exceeds model.max_seq_len={model.max_seq_len}"))
         return failed(rules)
+
+
+def is_commit(revision: str | None) -> bool:
+    """A hub revision that cannot move: a full commit sha, not a branch or a tag."""
+    return bool(revision) and re.fullmatch(r"[0-9a-f]{40}", revision) is not None
 
 
 def from_hub(tok: TokenizerConfig) -> bool:
@@ -112,7 +119,7 @@ class TokenizerConfig:
 
     def check(self) -> list[str]:
         ok = self.vocab_size >= 260
-        pinned = not from_hub(self) or bool(self.revision)
+        pinned = not from_hub(self) or is_commit(self.revision)
         return failed(
             [
                 ("tokenizer.vocab_size", ok, f"must be >= 260 (256 bytes + special tokens), got {self.vocab_size}"),
@@ -120,7 +127,8 @@ class TokenizerConfig:
                 (
                     "tokenizer.revision",
                     pinned,
-                    f"pin tokenizer.pretrained={self.pretrained} to a commit of the hub repo (its main branch moves)",
+                    f"pin tokenizer.pretrained={self.pretrained} to a commit of the hub repo, its 40-hex sha "
+                    f"(a branch or tag moves), got {self.revision}",
                 ),
             ]
         )

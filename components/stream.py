@@ -83,6 +83,7 @@ class StreamingBlocks:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
         self.fetches = 0  # shards this process downloaded (not found in the node's cache)
+        self.fetched_ahead = 0  # of those, fetched by the prefetch thread before the reader needed them
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -107,7 +108,7 @@ class StreamingBlocks:
         with self._lock:
             if shard in self._open or shard in self._pending or self.sizes[shard] == 0:
                 return
-            self._pending[shard] = self._pool.submit(self._local_file, shard)
+            self._pending[shard] = self._pool.submit(self._local_file, shard, True)
 
     def _open_shard(self, shard: int) -> ShardFile:
         with self._lock:
@@ -124,7 +125,7 @@ class StreamingBlocks:
         try:
             f = ShardFile(path, self.block_len)
         except FileNotFoundError:  # another rank of the node evicted it between its check and our open
-            f = ShardFile(self._local_file(shard), self.block_len)
+            return self._open_shard(shard)
         if len(f) != self.sizes[shard]:
             f.close()
             raise IntegrityError(f"{path}: {len(f)} blocks, the dataset lists {self.sizes[shard]}")
@@ -141,7 +142,7 @@ class StreamingBlocks:
     def _path(self, shard: int) -> Path:
         return self.cache_dir / f"{self.shards[shard]['ref'].version}.arrow"
 
-    def _local_file(self, shard: int) -> Path:
+    def _local_file(self, shard: int, ahead: bool = False) -> Path:
         """The shard's verified file in the node cache, fetched under the node's lock if absent."""
         path, row = self._path(shard), self.shards[shard]
         with open(self.cache_dir / f".{path.name}.lock", "a+") as lock:
@@ -157,6 +158,7 @@ class StreamingBlocks:
                 manifest = self.store.manifest(row["ref"])
                 self.store.fetch_file(manifest, f"{self.split}.arrow", path)
                 self.fetches += 1
+                self.fetched_ahead += ahead
                 with self._lock:
                     self._ready.add(path)
                 return path

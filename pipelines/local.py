@@ -153,7 +153,9 @@ def local_parameters(groups: dict[str, dict]) -> dict[str, dict]:
     task runs in a directory of its own; so are relative data paths (`corpus/kjv.jsonl`), which
     in a stage's image are relative to its working directory, the checkout's copy."""
     groups = {g: dict(values) for g, values in groups.items()}
-    groups["data"]["paths"] = [str(Path(p).expanduser().resolve()) for p in groups["data"]["paths"]]
+    groups["data"]["paths"] = [
+        p if p.startswith("s3://") else str(Path(p).expanduser().resolve()) for p in groups["data"]["paths"]
+    ]
     if groups["store"]["backend"] == "local":
         groups["store"]["root"] = str(Path(groups["store"]["root"]).resolve())
     groups["train"]["run_dir"] = str(Path(groups["train"]["run_dir"]).resolve())

@@ -48,6 +48,7 @@ def build_pipeline(cfg: Any):
         data: dict, tokenizer: dict, model: dict, train: dict, preflight: dict, eval: dict, cluster: dict, store: dict
     ) -> str:
         planned = on_cluster(tokenize_plan(data=data, tokenizer=tokenizer, model=model, store=store), cfg)
+        planned.set_caching_options(False)  # the same config may name changed bytes: the plan hashes them
         with dsl.ParallelFor(planned.outputs["Output"], parallelism=cfg.data.parallelism) as shard:
             sharded = on_cluster(tokenize_shard(shard=shard, data=data, store=store), cfg)
         merged = on_cluster(

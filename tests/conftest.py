@@ -84,6 +84,17 @@ def split_corpus(dest: Path, parts: int = 8) -> Path:
     return dest
 
 
+def upload_corpus(store_cfg: StoreConfig, bucket: str, corpus: Path, prefix: str) -> str:
+    """The corpus folder's files as objects under s3://bucket/prefix on the store's endpoint."""
+    from components.store.s3 import Connection
+
+    client = Connection.from_config(store_cfg).client()
+    client.make_bucket(bucket)
+    for p in sorted(corpus.iterdir()):
+        client.fput_object(bucket, f"{prefix}/{p.name}", str(p))
+    return f"s3://{bucket}/{prefix}"
+
+
 TRAIN_SHARDS = 4  # the dataset every training test reads: the shipped corpus in 4 shards
 
 

@@ -99,7 +99,7 @@ def install(job, state) -> None:
 
 
 def record_batches(job, out: Path) -> None:
-    """Wrap the sampler: append {global sample: blake2b of the block's bytes} per micro-batch to
+    """Wrap the sampler: append {global sample: [blake2b of the block's bytes, its shard]} per micro-batch to
     out/rank<r>-<pid>.jsonl, from the rows the reader returned (their content, not indices)."""
     import hashlib
 
@@ -111,7 +111,8 @@ def record_batches(job, out: Path) -> None:
         rows = batch(sample, device)
         first = sample + sampler.rank * sampler.micro
         seen = {
-            first + i: hashlib.blake2b(r.cpu().numpy().tobytes(), digest_size=8).hexdigest() for i, r in enumerate(rows)
+            first + i: [hashlib.blake2b(r.cpu().numpy().tobytes(), digest_size=8).hexdigest(), s]
+            for i, (r, (s, _)) in enumerate(zip(rows, sampler.indices(sample), strict=True))
         }
         with open(path, "a") as f:
             f.write(json.dumps(seen) + "\n")
@@ -120,13 +121,13 @@ def record_batches(job, out: Path) -> None:
     sampler.batch = recorded
 
 
-def read_batches(out: Path) -> dict[int, list[str]]:
-    """global sample -> the block hashes recorded for it (one per time it was trained on)."""
-    seen: dict[int, list[str]] = {}
+def read_batches(out: Path) -> dict[int, list[tuple[str, int]]]:
+    """global sample -> (block hash, shard) recorded for it, one per time it was trained on."""
+    seen: dict[int, list[tuple[str, int]]] = {}
     for p in sorted(out.glob("rank*.jsonl")):
         for line in p.read_text().splitlines():
-            for k, v in json.loads(line).items():
-                seen.setdefault(int(k), []).append(v)
+            for k, (h, s) in json.loads(line).items():
+                seen.setdefault(int(k), []).append((h, s))
     return seen
 
 

@@ -81,6 +81,7 @@ def test_a_rank_over_a_dataset_8x_its_cache_keeps_disk_and_memory_bounded(tmp_pa
     blocks.close()
     assert len(seen) == len(blocks) == 16 * 1024  # one epoch: every block once
     assert blocks.fetches >= 16  # every shard came from the store, none was there before
+    assert blocks.fetched_ahead >= 15  # all but the first were fetched before the reader reached them
     assert max(disk) <= cache_gb * 2**30 + shard_bytes  # the bound: the cache plus one shard
     growth = rss[n_batches - 1] - rss[n_batches // 8]
     assert growth < 3 * shard_bytes, f"RSS grew {growth / 2**20:.1f} MiB over 7/8 of a {total / 2**20:.0f} MiB epoch"

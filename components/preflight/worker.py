@@ -31,11 +31,11 @@ READ_CHUNK = 4 << 20  # the probe reads as the shard fetch streams: in ranged ch
 
 def storage_probe(store, dataset: str | None, probe_mb: int, rank: int) -> dict:
     """Read throughput of a bounded ranged read (preflight.read_probe_mb) of the dataset's
-    first train shard, never the dataset itself, and a write/read/delete round trip."""
+    largest train shard, never the dataset itself, and a write/read/delete round trip."""
     out = {}
     if dataset:
-        first = shard_table(store.manifest(Ref.parse(dataset)), "train")[0]["ref"]
-        shard = store.manifest(first)
+        largest = max(shard_table(store.manifest(Ref.parse(dataset)), "train"), key=lambda s: s["bytes"])
+        shard = store.manifest(largest["ref"])
         want, got = min(probe_mb << 20, shard.files["train.arrow"]["size"]), 0
         t0 = time.perf_counter()
         while got < want:

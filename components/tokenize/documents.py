@@ -84,9 +84,7 @@ def clean_and_split(ds, cfg: DataConfig) -> Documents:
         _, first = np.unique(keys[kept], return_index=True)
         dropped["duplicate"] = int(kept.size - first.size)
         kept = np.sort(kept[first])
-    is_val = draws[kept] < cfg.val_fraction
-    if kept.size > 1 and not is_val.any():  # a tiny shard can hash nothing below val_fraction: move one
-        is_val[np.argmin(draws[kept])] = True
+    is_val = draws[kept] < cfg.val_fraction  # nothing moved between splits: the merge judges the totals
     return Documents(ds.select(kept[~is_val]), ds.select(kept[is_val]), len(ds), dropped)
 
 

@@ -8,8 +8,6 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from components.config import DataConfig
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
@@ -48,7 +46,15 @@ class SourceFile:
 
     @classmethod
     def from_json(cls, d: dict) -> SourceFile:
-        return cls(**d)
+        """One entry of a stored plan, checked: it names a file, never a way out of a folder."""
+        from components.store import check_relpath, parse_s3_url
+
+        f = cls(str(d["uri"]), check_relpath(str(d["relpath"])), int(d["size"]), str(d["digest"]))
+        if f.is_object:
+            parse_s3_url(f.uri)
+        elif not Path(f.uri).is_absolute() or ".." in Path(f.uri).parts:
+            raise ValueError(f"plan names a local source {f.uri!r} that is not an absolute path")
+        return f
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -113,6 +119,14 @@ def source_files(cfg: DataConfig, objects=None) -> list[SourceFile]:
     for f in files:
         if f.suffix not in BUILDERS:
             raise DataError(f"data.paths: {f.uri} is not one of {', '.join(BUILDERS)}")
+    seen: dict[str, str] = {}
+    for f in files:
+        if f.relpath in seen:
+            raise DataError(
+                f"data.paths: {seen[f.relpath]} and {f.uri} have the same name {f.relpath!r} under their "
+                "entries; a dataset's files need distinct names"
+            )
+        seen[f.relpath] = f.uri
     builders = {BUILDERS[f.suffix] for f in files}
     if len(builders) > 1:
         raise DataError(f"data.paths mixes formats ({', '.join(sorted(builders))}); use one per dataset")
@@ -128,22 +142,17 @@ def source_identity(cfg: DataConfig, files: list[SourceFile]) -> dict:
 
 
 def partition(files: list[SourceFile], shards: int) -> list[list[SourceFile]]:
-    """Consecutive runs of files with about equal bytes, one per shard; a file is never split."""
+    """File k (in source order) to shard k mod shards: each shard a mix of the whole listing
+    (a corpus laid out as cc/..., wiki/... does not put one source in one shard), balanced in
+    bytes when the files are of a size, as part files are. A file is never split."""
     if not files:
-        return [[] for _ in range(shards)]  # a hub dataset: shard i takes every shards-th row range
+        return [[] for _ in range(shards)]  # a hub dataset: shard i takes contiguous row range i
     if shards > len(files):
         raise DataError(
             f"data.shards={shards} but the source has {len(files)} file(s); a file is one shard's unit "
             f"of work: lower data.shards or split the corpus into more files"
         )
-    ends = np.cumsum([max(f.size, 1) for f in files])
-    cuts, prev = [], 0
-    for k in range(1, shards):
-        i = int(np.searchsorted(ends, ends[-1] * k / shards)) + 1
-        i = min(max(i, prev + 1), len(files) - (shards - k))
-        cuts.append(i)
-        prev = i
-    return [files[a:b] for a, b in zip([0, *cuts], [*cuts, len(files)], strict=True)]
+    return [files[i::shards] for i in range(shards)]
 
 
 def check_line_lengths(path: Path, what: str, max_doc_bytes: int) -> None:
@@ -174,11 +183,11 @@ def local_copies(files: list[SourceFile], objects, scratch: Path) -> list[Path]:
     from components.store import SourceObject
 
     out = []
-    for f in files:
+    for i, f in enumerate(files):
         if not f.is_object:
             out.append(Path(f.uri))
             continue
-        dest = scratch / f.relpath
+        dest = scratch / str(i) / f.relpath
         dest.parent.mkdir(parents=True, exist_ok=True)
         bucket, key = f.uri.removeprefix("s3://").split("/", 1)
         objects.download(SourceObject(f.uri, bucket, key, f.relpath, f.size, f.digest), dest)

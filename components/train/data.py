@@ -64,9 +64,11 @@ class BlockSampler:
         n = len(self.blocks)
         self._enter_epoch(sample // n)
         visit = int(np.searchsorted(self._ends, sample % n, side="right"))
-        if visit + 1 < len(self._order):
-            return int(self._order[visit + 1])
-        return int(np.random.default_rng([self.seed, self._epoch + 1]).permutation(len(self._sizes))[0])
+        following = [
+            *self._order[visit + 1 :],
+            *np.random.default_rng([self.seed, self._epoch + 1]).permutation(len(self._sizes)),
+        ]
+        return int(next(s for s in following if self._sizes[s] > 0))  # an empty shard is never read
 
     def indices(self, sample: int) -> list[tuple[int, int]]:
         """This rank's (shard, block) pairs for the micro-batch that starts at global sample `sample`."""

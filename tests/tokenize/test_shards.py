@@ -16,7 +16,7 @@ from components.store import Ref, open_store
 from components.tokenize.shard import ShardError
 from components.tokenize.sources import DataError
 from components.tokenize.stage import run_tokenize
-from tests.conftest import split_corpus, store_config
+from tests.conftest import split_corpus, store_config, upload_corpus
 
 
 def configured(corpus, store_cfg, *overrides: str):
@@ -76,18 +76,9 @@ def test_four_shards_hold_the_same_documents_as_one(corpus, tmp_path):
     assert r1.manifest.ref.version != r4.manifest.ref.version  # the blocks differ: so does the version
 
 
-def _upload(store_cfg, bucket: str, corpus: Path) -> None:
-    from components.store.s3 import Connection
-
-    client = Connection.from_config(store_cfg).client()
-    client.make_bucket(bucket)
-    for p in sorted(corpus.iterdir()):
-        client.fput_object(bucket, f"corpora/kjv/{p.name}", str(p))
-
-
 def test_an_s3_prefix_with_the_same_bytes_is_the_same_dataset_version(corpus, tmp_path, s3_env):
     first = store_config("minio", tmp_path / "a")
-    _upload(first, "sources", corpus)
+    upload_corpus(first, "sources", corpus, "corpora/kjv")
     local = tokenize(configured(corpus, first, "data.shards=2"))
     remote = configured("s3://sources/corpora/kjv", first, "data.shards=2")
     again = tokenize(remote)
@@ -105,7 +96,7 @@ def test_an_s3_prefix_with_the_same_bytes_is_the_same_dataset_version(corpus, tm
 
 def test_an_s3_prefix_with_no_objects_is_refused_naming_it(corpus, tmp_path, s3_env):
     cfg = store_config("minio", tmp_path)
-    _upload(cfg, "sources", corpus)
+    upload_corpus(cfg, "sources", corpus, "corpora/kjv")
     with pytest.raises(DataError, match="s3://sources/corpora/none has no objects"):
         tokenize(configured("s3://sources/corpora/none", cfg))
     assert list(open_store(cfg).ls()) == []
@@ -130,7 +121,8 @@ def test_a_failing_shard_names_itself_and_its_files_and_no_dataset_is_published(
     cfg = configured(bad, store_cfg, "data.shards=4", f"tokenizer.pretrained={tokenizer}")
     with pytest.raises(
         ShardError,
-        match=r"shard 4/4 of dataset/kjv@\w+ \(\S+/part-07.jsonl\): data.paths: cannot parse \S+/part-07.jsonl",
+        match=r"shard 4/4 of dataset/kjv@\w+ \(\S+/part-03.jsonl, \S+/part-07.jsonl\): data.paths: cannot parse "
+        r"\S+/part-03.jsonl, \S+/part-07.jsonl as json",
     ):
         tokenize(cfg)
     store = open_store(cfg.store)
@@ -155,4 +147,42 @@ def test_more_shards_than_files_is_refused_before_any_work(corpus, tmp_path):
 def test_a_hub_name_without_a_revision_is_refused_at_compose(overrides, key):
     with pytest.raises(ConfigError, match=rf"{key}: pin .* to a commit of the hub repo"):
         compose(overrides)
+    with pytest.raises(ConfigError, match=rf"{key}: pin .* \(a branch or tag moves\), got main"):
+        compose([*overrides, f"{key}=main"])
     compose([*overrides, f"{key}=0123456789abcdef0123456789abcdef01234567"])  # pinned: fine
+
+
+def test_two_files_of_one_name_under_two_entries_are_refused(corpus, tmp_path):
+    """Shard tasks download objects by their names under their entries: two of one name would
+    overwrite each other in a shard's scratch folder."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "part-00.jsonl").write_bytes((corpus / "part-01.jsonl").read_bytes())
+    store_cfg = defaults("store", root=str(tmp_path / "s"), cache_dir=str(tmp_path))
+    cfg = OmegaConf.to_object(compose([f"data.paths=[{corpus},{other}]"]))
+    cfg.store = store_cfg
+    with pytest.raises(DataError, match="have the same name 'part-00.jsonl'"):
+        tokenize(cfg)
+
+
+@pytest.mark.parametrize(
+    "entry, error",
+    [
+        ({"uri": "s3://b/k.jsonl", "relpath": "../../escaped.jsonl"}, "escaped.jsonl"),
+        ({"uri": "relative/x.jsonl", "relpath": "x.jsonl"}, "not an absolute path"),
+        ({"uri": "/data/../etc/x.jsonl", "relpath": "x.jsonl"}, "not an absolute path"),
+    ],
+)
+def test_a_stored_plan_naming_a_way_out_is_refused(tmp_path, entry, error):
+    """The plan travels through the store to every shard task: its file entries are checked."""
+    from components.store import InvalidKey
+    from components.tokenize.plan import PLAN, load_plan
+
+    store = open_store(defaults("store", root=str(tmp_path / "s"), cache_dir=str(tmp_path / "c")))
+    plan = {"dataset": "dataset/d@v1", "vocab_size": 1024, "eos_token_id": 0, "dtype": "uint16"}
+    plan["partitions"] = [[{**entry, "size": 1, "digest": "0" * 32}]]
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / PLAN).write_text(json.dumps(plan))
+    store.publish("tokenizer", "d", "v1", tmp_path / "p")
+    with pytest.raises((InvalidKey, ValueError), match=error):
+        load_plan(store, "tokenizer/d@v1")

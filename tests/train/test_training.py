@@ -258,22 +258,28 @@ def test_longer_run_resumes_where_the_shorter_ended_on_another_world_size(traine
     then 30 steps on 1 rank continues at step 20 from the 2-rank checkpoint. The blocks the
     ranks actually read (hashed from the rows handed to the model, by global sample number)
     across the two legs are those of an uninterrupted 1-rank run of as many samples: same
-    block at every position, none repeated or skipped, read from the 4 shards of the dataset."""
-    legs, whole = trainer.tmp / "legs", trainer.tmp / "whole"
+    block at every position, none repeated or skipped, across shard boundaries of the
+    dataset's 4 shards (micro batches of 32 move through more than one shard per leg)."""
+    legs, whole, micro = trainer.tmp / "legs", trainer.tmp / "whole", "train.micro_batch_size=32"
     with injected(record_dir=str(legs)):
-        first = trainer.run(*TWO_NODES, "train.steps=20", "train.checkpoint_interval=10")
-        longer = trainer.run("train.steps=30", "train.checkpoint_interval=10")
+        first = trainer.run(*TWO_NODES, micro, "train.steps=20", "train.checkpoint_interval=10")
+        longer = trainer.run(micro, "train.steps=30", "train.checkpoint_interval=10")
     assert longer.identity == first.identity and longer.run_dir == first.run_dir
     start = events(longer.metrics, "start")[-1]
     assert start["step"] == 20 and start["world"] == 1 and start["resumed_from"].endswith("step-20")
-    samples = 20 * 8 * 2 + 10 * 8  # 20 steps x 8 x 2 ranks, then 10 steps x 8 x 1 rank
+    resumed_at, samples = 20 * 32 * 2, 20 * 32 * 2 + 10 * 32  # 2 ranks x 20 steps, then 1 rank x 10
     assert ckpt.verify(node_checkpoints(longer, 0) / "step-30")["samples"] == samples
     with injected(record_dir=str(whole)):
-        Trainer(trainer.dataset_store, trainer.tmp / "w").run("train.steps=50")
+        Trainer(trainer.dataset_store, trainer.tmp / "w").run(micro, "train.steps=50")
     got, want = read_batches(legs), read_batches(whole)
     assert sorted(got) == sorted(want) == list(range(samples))  # every position once: none skipped or repeated
     assert got == want  # the same block at each position
-    assert len({h for (h,) in want.values()}) == samples  # within one epoch: no block twice
+    assert len({h for ((h, _),) in want.values()}) == samples  # within one epoch: no block twice
+
+    def shards(positions) -> set[int]:
+        return {got[k][0][1] for k in positions}
+
+    assert len(shards(range(resumed_at))) >= 2  # the first leg alone switched shards
     assert len(trainer.store.manifest(Ref.parse(trainer.dataset)).metadata["shards"]) == TRAIN_SHARDS
 
 
