@@ -29,8 +29,11 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def s3_endpoint() -> str:
     """moto's S3 server over real HTTP on 127.0.0.1; never skipped."""
+    import logging
+
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # the test server's access log is noise
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
