@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import itertools
 import os
@@ -62,7 +63,7 @@ def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False
         # the tasks in this interpreter (SubprocessRunner) and never pulls the image
         warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom or non-Python")
         stages = StageLines(cfg, console.say)
-        with watch_stages(stages.start, stages.end, console.sync):
+        with watch_stages(stages.start, stages.end, console.sync), print_kept():
             try:
                 task = build_pipeline(cfg)(**local_parameters(group_dicts(cfg)))
             except RuntimeError as e:
@@ -145,6 +146,18 @@ def short_overrides(overrides: list[str], limit: int = 48) -> str:
         parts.append(re.sub(r"[^\w.,=+-]", "_", f"{key.rsplit('.', 1)[-1]}={value}"))
     name = ",".join(parts)
     return name if len(name) <= limit else name[:limit].rsplit(",", 1)[0]  # whole overrides only
+
+
+@contextlib.contextmanager
+def print_kept():
+    """kfp.local indents a task's output by swapping `builtins.print` while the task runs; the
+    iterations of a ParallelFor run in threads whose swaps interleave, so one can leave an
+    indenting print in place for the rest of the process. The original comes back after a run."""
+    original = builtins.print
+    try:
+        yield
+    finally:
+        builtins.print = original
 
 
 def local_parameters(groups: dict[str, dict]) -> dict[str, dict]:

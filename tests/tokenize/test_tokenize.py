@@ -229,6 +229,7 @@ def test_plan_shards_and_merge_fan_out_under_kfp_local(tmp_path):
 
     from components.config import group_dicts
     from components.tokenize.component import tokenize_merge, tokenize_plan, tokenize_shard
+    from pipelines.local import print_kept
     from tests.conftest import split_corpus
 
     corpus = split_corpus(tmp_path / "corpus", parts=3)
@@ -252,9 +253,8 @@ def test_plan_shards_and_merge_fan_out_under_kfp_local(tmp_path):
     # real types, not this module's postponed (string) annotations, for KFP's signature reading
     fan_out.__annotations__ = {"data": dict, "tokenizer": dict, "model": dict, "store": dict, "return": str}
     fan_out = dsl.pipeline(fan_out)
-    ref = fan_out(
-        data=groups["data"], tokenizer=groups["tokenizer"], model=groups["model"], store=groups["store"]
-    ).output
+    with print_kept():  # kfp.local's threads can leave builtins.print indenting for later tests
+        ref = fan_out(**{g: groups[g] for g in ("data", "tokenizer", "model", "store")}).output
     assert ref.startswith("dataset/kjv@")
     stored = open_store(defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "c2")))
     manifest = stored.manifest(Ref.parse(ref))

@@ -114,12 +114,25 @@ def test_leave_one_out_z_flags_one_slow_rank_of_two():
     assert max(leave_one_out_z([0.100, 0.101, 0.099, 0.100])) < 5
 
 
-class FakeBlocks(list):
-    pass
+class FakeBlocks:
+    """Shards of consecutive integers: block j of shard s holds its global index."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.prefetched: list[int] = []
+
+    def __len__(self) -> int:
+        return sum(self.sizes)
+
+    def block(self, s: int, j: int) -> np.ndarray:
+        return np.array([sum(self.sizes[:s]) + j])
+
+    def prefetch(self, s: int) -> None:
+        self.prefetched.append(s)
 
 
 def test_sampler_order_is_deterministic_sharded_and_independent_of_the_world_size():
-    blocks = FakeBlocks(np.arange(100).reshape(100, 1))
+    blocks = FakeBlocks([30, 0, 50, 20])  # an empty shard too
     a0 = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=0, seed=7)
     a1 = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=1, seed=7)
     one = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=1, rank=0, seed=7)
@@ -129,14 +142,26 @@ def test_sampler_order_is_deterministic_sharded_and_independent_of_the_world_siz
     # 2 ranks for 40 samples, then resumed on 1 rank at sample 40, across the epoch boundary
     uninterrupted = [i for s in range(0, 160, 4) for i in one.indices(s)]
     resumed = two_ranks[:40] + [i for s in range(40, 160, 4) for i in one.indices(s)]
-    assert resumed == uninterrupted and sorted(uninterrupted[:100]) == list(range(100))
+    assert resumed == uninterrupted
+    assert sorted(int(blocks.block(s, j)[0]) for s, j in uninterrupted[:100]) == list(range(100))  # an epoch
+    runs = [s for k, (s, _) in enumerate(uninterrupted[:100]) if k == 0 or s != uninterrupted[k - 1][0]]
+    assert sorted(runs) == [0, 2, 3]  # each shard read in one run per epoch, the empty one never
+    assert uninterrupted[100:] != uninterrupted[:100]  # the next epoch is another order
     other_seed = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=2, rank=0, seed=8)
     assert other_seed.indices(0) != a0.indices(0)
 
 
+def test_the_sampler_prefetches_the_next_nonempty_shard_in_its_order():
+    blocks = FakeBlocks([8, 0, 8, 8])
+    sampler = BlockSampler(blocks, micro_batch=4, grad_accum=1, world=1, rank=0, seed=3)
+    order = [sampler.locate(k)[0] for k in range(0, 24, 8)]  # shards in the epoch's order
+    sampler.batch(0, torch.device("cpu"))
+    assert blocks.prefetched == [order[1]] and 1 not in order
+
+
 def test_sampler_refuses_data_smaller_than_one_step():
     with pytest.raises(DataFitError, match="= 64 blocks per step, but the train split has only 10"):
-        BlockSampler(FakeBlocks(np.zeros((10, 3))), micro_batch=8, grad_accum=2, world=4, rank=0, seed=0)
+        BlockSampler(FakeBlocks([4, 6]), micro_batch=8, grad_accum=2, world=4, rank=0, seed=0)
 
 
 def test_device_peaks_are_looked_up_by_name():
