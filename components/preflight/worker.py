@@ -26,20 +26,25 @@ from components.preflight.spec import PreflightSpec
 from components.store import Ref, open_store
 from components.stream import shard_table
 
-READ_CHUNK = 4 << 20  # the probe reads as the shard fetch streams: in ranged chunks
+READ_CHUNK = 1 << 20  # the probe reads as a shard fetch streams: in ranged chunks
 
 
 def storage_probe(store, dataset: str | None, probe_mb: int, rank: int) -> dict:
-    """Read throughput of a bounded ranged read (preflight.read_probe_mb) of the dataset's
-    largest train shard, never the dataset itself, and a write/read/delete round trip."""
+    """Read throughput of `preflight.read_probe_mb` read in ranged chunks from the dataset's
+    largest train shard (round again from its start when the shard is smaller), never the
+    dataset itself, and a write/read/delete round trip."""
     out = {}
     if dataset:
         largest = max(shard_table(store.manifest(Ref.parse(dataset)), "train"), key=lambda s: s["bytes"])
         shard = store.manifest(largest["ref"])
-        want, got = min(probe_mb << 20, shard.files["train.arrow"]["size"]), 0
+        size, want, got = shard.files["train.arrow"]["size"], probe_mb << 20, 0
         t0 = time.perf_counter()
         while got < want:
-            got += len(store.read_range(shard, "train.arrow", got, min(READ_CHUNK, want - got)))
+            offset = got % size
+            chunk = store.read_range(shard, "train.arrow", offset, min(READ_CHUNK, want - got, size - offset))
+            if not chunk:
+                raise RuntimeError(f"{shard.ref}: train.arrow read nothing at {offset} of {size} bytes")
+            got += len(chunk)
         out["storage_read_mbps"] = got / (time.perf_counter() - t0) / 1e6
         out["storage_read_mb"] = got / 2**20
     payload = os.urandom(probe_mb * (1 << 20))
