@@ -152,16 +152,16 @@ class MinioBackend:
             lambda: self.client.put_object(self.bucket, self._key(key), io.BytesIO(data), len(data)), f"put {key}"
         )
 
-    def get_bytes(self, key: str) -> bytes:
-        def op() -> bytes:
-            resp = self.client.get_object(self.bucket, self._key(key))
-            try:
-                return resp.read()
-            finally:
-                resp.close()
-                resp.release_conn()
+    def _read(self, key: str, **byte_range) -> bytes:
+        resp = self.client.get_object(self.bucket, self._key(key), **byte_range)
+        try:
+            return resp.read()
+        finally:
+            resp.close()
+            resp.release_conn()
 
-        return self._retry(op, f"get {key}")
+    def get_bytes(self, key: str) -> bytes:
+        return self._retry(lambda: self._read(key), f"get {key}")
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         """length bytes from offset, fewer at the end of the object (none past it)."""
@@ -174,16 +174,11 @@ class MinioBackend:
 
         def op() -> bytes:
             try:
-                resp = self.client.get_object(self.bucket, self._key(key), offset=offset, length=length)
+                return self._read(key, offset=offset, length=length)
             except S3Error as e:
                 if e.code == "InvalidRange":  # offset at or past the end
                     return b""
                 raise
-            try:
-                return resp.read()
-            finally:
-                resp.close()
-                resp.release_conn()
 
         return self._retry(op, f"get {key} bytes {offset}+{length}")
 

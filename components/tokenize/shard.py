@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from components.blocks import SPLITS, BlockWriter
+from components.blocks import SPLITS, BlockWriter, load_tokenizer
 from components.config import DataConfig
 from components.store import ArtifactStore, Manifest
 from components.tokenize.documents import clean_and_split, load_documents
@@ -67,13 +67,11 @@ def build_shard(plan: Plan, index: int, data: DataConfig, tokenizer, objects, ou
 def run_shard(plan: Plan, index: int, data: DataConfig, store: ArtifactStore) -> tuple[Manifest, bool]:
     """(the shard's manifest, whether it was already stored). Nothing is published when the
     shard fails; the error names the shard and its files."""
-    from transformers import PreTrainedTokenizerFast
-
     ref = plan.shard_ref(index)
     if store.exists(ref):
         return store.manifest(ref), True
     try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(store.fetch(plan.tokenizer) / "tokenizer"))
+        tokenizer = load_tokenizer(store.fetch(plan.tokenizer))
         with tempfile.TemporaryDirectory(prefix="liftoff-shard-") as tmp:
             stats = build_shard(plan, index, data, tokenizer, objects_for(data, store), Path(tmp))
             meta = {"stats": stats, "dataset": str(plan.dataset), "index": index, "of": plan.shards}

@@ -180,7 +180,7 @@ def check_line_lengths(path: Path, what: str, max_doc_bytes: int) -> None:
 
 def local_copies(files: list[SourceFile], objects, scratch: Path) -> list[Path]:
     """Local paths of the files: local ones as they are, objects downloaded (verified) into scratch."""
-    from components.store import SourceObject
+    from components.store import SourceObject, parse_s3_url
 
     out = []
     for i, f in enumerate(files):
@@ -189,7 +189,7 @@ def local_copies(files: list[SourceFile], objects, scratch: Path) -> list[Path]:
             continue
         dest = scratch / str(i) / f.relpath
         dest.parent.mkdir(parents=True, exist_ok=True)
-        bucket, key = f.uri.removeprefix("s3://").split("/", 1)
+        bucket, key = parse_s3_url(f.uri)
         objects.download(SourceObject(f.uri, bucket, key, f.relpath, f.size, f.digest), dest)
         out.append(dest)
     return out

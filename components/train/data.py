@@ -64,11 +64,11 @@ class BlockSampler:
         n = len(self.blocks)
         self._enter_epoch(sample // n)
         visit = int(np.searchsorted(self._ends, sample % n, side="right"))
-        following = [
-            *self._order[visit + 1 :],
-            *np.random.default_rng([self.seed, self._epoch + 1]).permutation(len(self._sizes)),
-        ]
-        return int(next(s for s in following if self._sizes[s] > 0))  # an empty shard is never read
+        for s in self._order[visit + 1 :]:  # an empty shard is never read
+            if self._sizes[s] > 0:
+                return int(s)
+        following = np.random.default_rng([self.seed, self._epoch + 1]).permutation(len(self._sizes))
+        return int(next(s for s in following if self._sizes[s] > 0))  # the epoch's last shard: the next's first
 
     def indices(self, sample: int) -> list[tuple[int, int]]:
         """This rank's (shard, block) pairs for the micro-batch that starts at global sample `sample`."""
