@@ -180,18 +180,23 @@ def _model_ref(result: dict) -> str | None:
 def _sweep_table(rows: list) -> list[str]:
     """One row per job: its overrides, model version, train and val loss, throughput, wall time,
     and whether its model was already in the store (reused from an earlier run)."""
-    head = "| job | overrides | model | train loss | val loss | val perplexity | tokens/s | wall s | reused |"
-    lines = [head, "|---" * 9 + "|"]
+    head = "| job | overrides | model | started | train loss | val loss | val perplexity | tokens/s | wall s | reused |"
+    lines = [head, "|---" * 10 + "|"]
     for i, (job, result, reused) in enumerate(rows):
         m = result["metrics"]
         train = result["stages"].get("train")
         t = dict(getattr(train.outputs.get("metrics"), "metadata", None) or {}) if train is not None else {}
         model = (_model_ref(result) or "-").split("@")[-1]
-        cells = [str(i), " ".join(job) or "(defaults)", model, f"{t.get('final_loss', float('nan')):.4f}"]
+        started = _meta_of(train, "trained_model").get("continued", "-") if train is not None else "-"
+        cells = [str(i), " ".join(job) or "(defaults)", model, started, f"{t.get('final_loss', float('nan')):.4f}"]
         cells += [f"{m['val_loss']:.4f}", f"{m['val_perplexity']:.2f}", f"{t.get('tokens_per_s', 0):,.0f}"]
         cells += [f"{result['seconds']:.0f}", "yes (same model as before)" if reused else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _meta_of(stage, output: str) -> dict:
+    return dict(getattr(stage.outputs.get(output), "metadata", None) or {})
 
 
 def cmd_compile(args: list[str]) -> int:
@@ -323,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from components.store import StoreError
     from pipelines.cluster import KfpError
+    from pipelines.interrupt import Interrupted
     from pipelines.local import RunFailed
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -332,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `liftoff artifacts ls | head -1`: the reader left; so do we, quietly
         _silence_stdout()
         return 141  # what a shell reports for a process ended by SIGPIPE
+    except Interrupted as e:  # every process of the run is gone already (pipelines/interrupt.py)
+        print(f"liftoff: {e.line}", file=sys.stderr, flush=True)
+        return 130
 
 
 def _dispatch(argv: list[str], one_line_errors: tuple[type[BaseException], ...]) -> int:

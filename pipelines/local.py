@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from components.config import CONF_DIR, group_dicts
 from components.local_pod import TASK_ROOT_ENV
 from components.store import Ref, open_store
+from pipelines.interrupt import stopped_by_signals
 from pipelines.progress import Console, StageLines, display_path, keep_outputs, plain, watch_stages
 
 LOCAL_ROOT = Path("local_outputs")
@@ -63,7 +64,8 @@ def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False
         # the tasks in this interpreter (SubprocessRunner) and never pulls the image
         warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom or non-Python")
         stages = StageLines(cfg, console.say)
-        with watch_stages(stages.start, stages.end, console.sync), print_kept():
+        where = lambda: interruption_line(cfg, stages, console.last_step, store)  # noqa: E731
+        with watch_stages(stages.start, stages.end, console.sync), print_kept(), stopped_by_signals(where):
             try:
                 task = build_pipeline(cfg)(**local_parameters(group_dicts(cfg)))
             except RuntimeError as e:
@@ -87,6 +89,35 @@ def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False
         "stages": stages.ends,
         "files": files,
     }
+
+
+def interruption_line(cfg: DictConfig, stages: StageLines, step: int | None, store) -> str:
+    """`interrupted during train (step 25); a rerun resumes from checkpoint/NAME@VERSION`: where
+    the run was and what the store holds for a rerun to continue."""
+    stage = stages.current or "start-up"
+    at = f" (step {step})" if stage == "train" and step is not None else ""
+    newest = _newest_checkpoint(cfg, stages, store)
+    if newest is not None:
+        after = f"a rerun resumes from {newest}"
+    elif stage in ("tokenize", "start-up"):
+        after = "a rerun starts again; finished tokenize shards are reused"
+    else:
+        after = "a rerun reuses the finished stages" + (" and trains from step 0" if stage == "train" else "")
+    return f"interrupted during {stage}{at}; {after}"
+
+
+def _newest_checkpoint(cfg: DictConfig, stages: StageLines, store) -> str | None:
+    """The newest stored checkpoint of this run's training identity, once its dataset is known."""
+    from components.train.stage import training_identity
+
+    tokenize = stages.ends.get("tokenize")
+    dataset = getattr(tokenize.outputs.get("dataset"), "metadata", {}).get("ref") if tokenize else None
+    if not dataset:
+        return None
+    identity = training_identity(dataset, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.train))
+    mine = [m for m in store.versions("checkpoint", cfg.model.name) if m.metadata.get("identity") == identity]
+    newest = max(mine, key=lambda m: (m.metadata.get("step", -1), m.created), default=None)
+    return str(newest.ref) if newest is not None else None
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ class Console:
         self._synced = threading.Event()
         self._terminal: int | None = None
         self._reader_gone = False
+        self.last_step: int | None = None  # the newest training step line shown
 
     def say(self, text: str = "") -> None:
         data = (text + "\n").encode()
@@ -114,7 +115,9 @@ class Console:
                         os.write(self._terminal, raw if self._tty else clean.encode())
                     except BrokenPipeError:
                         self._reader_gone = True
-        elif m := _SHOWN.search(line):
+        if (m := _SHOWN.search(line)) and (step := re.match(r"step (\d+)/", m.group(1) or "")):
+            self.last_step = int(step.group(1))
+        if m and not self.verbose:
             self.say("      " + (m.group(1) or m.group(2)))
 
     def sync(self) -> list[str]:
@@ -170,7 +173,11 @@ def watch_stages(on_start: Callable[[str], None], on_end: Callable[[StageEnd, li
         return run_task(*args, **kwargs)
 
     def execute(*args, **kwargs):
+        from pipelines.interrupt import STOPPING
+
         name = kwargs.get("task_name", args[0] if args else "?")
+        if STOPPING.is_set():  # the run is being stopped: a ParallelFor thread starts nothing more
+            raise RuntimeError(f"not starting {name}: the run is stopping")
         sync()
         on_start(name)
         ran.clear()
@@ -266,6 +273,7 @@ def stage_result(end: StageEnd, cfg) -> str:
     if end.name == "train":
         m = _meta(out, "metrics")
         return (
+            f"{_meta(out, 'trained_model').get('continued', 'fresh')}; "
             f"loss {m.get('initial_loss', float('nan')):.2f} -> {m.get('final_loss', float('nan')):.2f}, "
             f"{m.get('tokens_per_s', 0):,.0f} tokens/s, peak {m.get('peak_memory_gb', 0):.2f} GB, {out.get('Output')}"
         )
@@ -319,12 +327,14 @@ class StageLines:
         self.cfg, self.say = cfg, say
         self.ends: dict[str, StageEnd] = {}
         self.failed: StageEnd | None = None
+        self.current: str | None = None  # the stage running now
 
     def start(self, name: str) -> None:
         if name.startswith("tokenize-"):  # the fan-out: one status line for plan, shards and merge
             if name != "tokenize-plan":
                 return
             name = "tokenize"
+        self.current = name
         number = f"{STAGES.index(name) + 1}/{len(STAGES)}" if name in STAGES else "?"
         self.say(f"[{number}] {name} ... {stage_plan(name, self.cfg)}")
 

@@ -63,6 +63,7 @@ def identity_rows(
         "model preset": preset,
         "precision": str(meta.get("precision", train.get("precision", "unknown"))),
         "steps": str(meta.get("steps", train.get("steps", "unknown"))),
+        "started": str(meta.get("continued", "fresh")),
         "lr": _lr(train),
         "batch": _batch(train, meta.get("world")),
         "code version": model.code_version,

@@ -53,7 +53,14 @@ def train(
     print(f"liftoff-stage train compute_s={time.perf_counter() - started:.3f}", flush=True)
     ref = str(result.model.ref)
     Path(trained_model.path).write_text(json.dumps({"ref": ref, **result.result.to_json()}, indent=2))
-    trained_model.metadata.update({"ref": ref, "identity": result.identity, "checkpoint": result.checkpoint_version})
+    trained_model.metadata.update(
+        {
+            "ref": ref,
+            "identity": result.identity,
+            "checkpoint": result.checkpoint_version,
+            "continued": result.result.continued,
+        }
+    )
     trained_model.metadata["preflight_excluded_nodes"] = sorted(verdict.get("unhealthy", {}))
     for name, value in final_metrics(result.metrics).items():
         metrics.log_metric(name, value)

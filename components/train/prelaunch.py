@@ -77,7 +77,8 @@ def check_inputs(
             raise ResumeError(f"train.resume={train.resume}: no {ref} in {store.description}")
         seed = store.manifest(ref).metadata
         check_shape(seed, model, f"train.resume={train.resume}")
-        if isinstance(seed.get("step"), int) and seed["step"] > train.steps:
+        if isinstance(seed.get("step"), int) and seed["step"] >= train.steps:
             raise ResumeError(
-                f"train.resume={train.resume} is at step {seed['step']}, beyond train.steps={train.steps}"
+                f"train.resume={train.resume} is at step {seed['step']}, nothing left to train with "
+                f"train.steps={train.steps}: continuing a run means more steps than it has"
             )

@@ -42,7 +42,19 @@ class WorkerResult:
     wrapped_modules: dict[str, int]
     float8_cast_configs: list[str]
     forward_dtypes: dict[str, str]
+    resumed_from: str | None = None  # checkpoint/NAME@VERSION this launch continued; None: fresh
+    start_step: int = 0  # the step it continued from; steps - start_step were trained here
     model: str = ""  # model/NAME@VERSION, once published
+
+    @property
+    def continued(self) -> str:
+        """How this launch started, as the run summary, the sweep table and the eval report say it."""
+        if self.resumed_from is None:
+            return "fresh"
+        trained = self.steps - self.start_step
+        return f"resumed from {self.resumed_from} at step {self.start_step}" + (
+            f", trained {trained} step(s)" if trained else ", trained no step"
+        )
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

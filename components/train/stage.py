@@ -18,13 +18,13 @@ from components.train.spec import TrainSpec, WorkerResult
 
 log = logging.getLogger(__name__)
 
-# Train settings that do not change the weights' math up to the current step: a run differing
-# only in these continues the same training (same checkpoints); anything else is a new
-# training identity. `steps` is one of them: a longer run resumes where the shorter one ended
-# (the cosine schedule is then stretched from there on to the new length). So is the world
-# size: DCP reshards the checkpoint and the sample order does not depend on it.
+# Train settings that do not change the optimisation trajectory: a run differing only in these
+# continues the same training (same checkpoints); anything else (steps, warmup, lr, min_lr, the
+# schedule, the seed, the batch, precision...) is a new training identity, so `resume=auto`
+# never continues another schedule's checkpoint. Continuing another run is explicit
+# (`train.resume=<version>`), and the seed is then part of the identity. The world size is not
+# in it: DCP reshards the checkpoint and the sample order does not depend on it.
 NOT_IDENTITY = {
-    "steps",
     "checkpoint_dir",
     "checkpoint_interval",
     "checkpoint_keep",
@@ -75,6 +75,8 @@ def require_passing_verdict(verdict: dict) -> dict:
 
 def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> str:
     math = {k: v for k, v in as_plain_dict(train).items() if k not in NOT_IDENTITY}
+    if train.resume not in ("auto", "never"):  # a seeded run continues that checkpoint's trajectory
+        math["seed_checkpoint"] = train.resume
     ident = {"dataset": dataset, "model": drop_none(as_plain_dict(model)), "train": math}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -42,7 +42,7 @@ from components.train.monitor import DeviceTimer, Monitor, StepLine, Watchdog, d
 from components.train.nonfinite import clean_name, first_nonfinite_module
 from components.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
 from components.train.parallel import apply_compile, gradient_sync, wrap
-from components.train.resume import find_resume_checkpoint
+from components.train.resume import Resumed, find_resume_checkpoint
 from components.train.spec import TrainSpec, WorkerResult
 
 log = logging.getLogger("liftoff.train")
@@ -176,31 +176,30 @@ def checkpoint_root(spec: TrainSpec) -> Path:
 def build_checkpointer(spec: TrainSpec, train: TrainConfig, store: ArtifactStore, model_name: str, rank: int):
     """The checkpointer: every rank saves on its own node and uploads its own part; versions
     name the training identity, step and content."""
-    target = ckpt.StoreTarget(store, model_name, spec.identity, [spec.dataset])
+    seed = [] if train.resume in ("auto", "never") else [f"checkpoint/{model_name}@{train.resume}"]
+    target = ckpt.StoreTarget(store, model_name, spec.identity, [spec.dataset, *seed])
     return ckpt.Checkpointer(checkpoint_root(spec), train.checkpoint_keep, train.checkpoint_async, rank, target)
 
 
-def resume(job: Job, state: TrainState) -> Path | None:
-    """Load the checkpoint `train.resume` chooses into the job; returns its path. A named
-    version seeds the first attempt only: a relaunch continues from the run's own newest."""
-    relaunch = os.environ.get("LIFTOFF_ATTEMPT", "0") != "0"
-    path = find_resume_checkpoint(
-        job.train.resume, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, job.train.steps, relaunch
+def resume(job: Job, state: TrainState) -> Resumed | None:
+    """Load the checkpoint `train.resume` chooses among the store's versions into the job."""
+    found = find_resume_checkpoint(
+        job.train.resume, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, job.train.steps
     )
-    if path is None:
+    if found is None:
         return None
-    loaded = ckpt.load(path, job.model, job.optimizer, job.rank)
+    loaded = ckpt.load(found.path, job.model, job.optimizer, job.rank)
     meta = loaded["meta"]
-    if meta.get("identity") == job.identity:  # this run's own history (a seed's belongs to its run)
-        job.monitor.restore_history(path / checkpoint_format.HISTORY)
+    # the history up to the checkpoint: this run's own, or a seed's (the steps this model went through)
+    job.monitor.restore_history(found.path / checkpoint_format.HISTORY)
     state.step, state.samples, state.skipped = meta["step"], meta["samples"], meta.get("skipped_steps", 0)
     if "rng" in loaded["rank_state"]:
         torch.set_rng_state(loaded["rank_state"]["rng"])
     if job.scaler is not None and "scaler_scale" in meta:
         job.scaler.load_state_dict({**job.scaler.state_dict(), "scale": meta["scaler_scale"]})
     job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)  # scales of the loaded weights
-    log.info("resumed from %s at step %d (global sample %d)", path, state.step, state.samples)
-    return path
+    log.info("resumed from %s at step %d (global sample %d)", found.ref, state.step, state.samples)
+    return found
 
 
 def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
@@ -289,18 +288,18 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
         job.checkpointer.finish_pending()  # on disk everywhere: seal and publish it
     if state.bad_in_row >= job.train.max_bad_steps:
         job.checkpointer.wait()
-        # the same choice as resume: the newest checkpoint whose hashes verify, local or stored
-        target = find_resume_checkpoint(
-            "auto", job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, state.step
-        )
+        # the same choice as resume: the newest stored checkpoint that verifies (own first, then a seed)
+        mode = "auto" if job.train.resume == "never" else job.train.resume
+        root, identity = job.ckpt_root, job.identity
+        target = find_resume_checkpoint(mode, root, job.store, job.model_cfg, identity, job.rank, state.step)
         if target is None:
             raise RuntimeError(
                 f"{state.bad_in_row} non-finite steps in a row (train.max_bad_steps="
                 f"{job.train.max_bad_steps}) and no checkpoint to roll back to"
             )
-        ckpt.load(target, job.model, job.optimizer, job.rank)
+        ckpt.load(target.path, job.model, job.optimizer, job.rank)
         job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)
-        job.monitor.event("rollback", step=state.step, to=target.name, data_samples_kept=state.samples)
+        job.monitor.event("rollback", step=state.step, to=str(target.ref), data_samples_kept=state.samples)
         state.bad_in_row = 0
     if state.step % job.train.checkpoint_interval == 0 or state.step == job.train.steps:
         meta = {
@@ -381,7 +380,7 @@ def probe_loss(job: Job) -> float | None:
         seen.remove()
 
 
-def finish(job: Job, state: TrainState) -> WorkerResult | None:
+def finish(job: Job, state: TrainState, resumed: Resumed | None) -> WorkerResult | None:
     """Wait for the last checkpoint, export the model, write the run's result (rank 0)."""
     job.checkpointer.wait()
     probe = probe_loss(job)
@@ -414,6 +413,8 @@ def finish(job: Job, state: TrainState) -> WorkerResult | None:
         wrapped_modules=wrapped_modules(job.model),
         float8_cast_configs=float8_cast_configs(job.model),
         forward_dtypes=job.forward_dtypes,  # e.g. a block norm's weight as the forward saw it
+        resumed_from=str(resumed.ref) if resumed else None,
+        start_step=resumed.step if resumed else 0,
     )
 
 
@@ -465,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             "start",
             world=job.world,
             step=state.step,
-            resumed_from=str(resumed_from) if resumed_from else None,
+            resumed_from=str(resumed_from.ref) if resumed_from else None,
             params=count_params(job.model),
             flops_per_token=job.flops_per_token,
             precision=job.train.precision.value,
@@ -493,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         if validates_at(step, job.train.val_interval, job.train.steps):
             validate(job, step)
         checkpoint_or_rollback(job, state, record)
-    result = finish(job, state)
+    result = finish(job, state, resumed_from)
     job.sampler.blocks.close()  # no prefetch left running
     job.val.close()
     if result is not None:
@@ -519,13 +520,19 @@ def hand_back(job: Job, result: WorkerResult) -> None:
     # train.resume=never) publishes a new version instead of handing back the stored one
     digest = sha256_file(export / "model.safetensors")[:12]
     keys = ("final_loss", "probe_loss", "probe_blocks", "steps", "precision", "float8_linear_count",
-            "float8_linear_modules", "float8_cast_configs", "world", "wrapped_modules")  # fmt: skip
+            "float8_linear_modules", "float8_cast_configs", "world", "wrapped_modules", "resumed_from",
+            "start_step")  # fmt: skip
     model = job.store.publish(
         "model",
         job.model_cfg.name,
         f"{job.identity}-{digest}",
         export,
-        metadata={**{k: getattr(result, k) for k in keys}, "identity": job.identity, "train": as_plain_dict(job.train)},
+        metadata={
+            **{k: getattr(result, k) for k in keys},
+            "continued": result.continued,
+            "identity": job.identity,
+            "train": as_plain_dict(job.train),
+        },
         parents=[job.spec.dataset, f"checkpoint/{job.model_cfg.name}@{result.checkpoint_version}"],
     )
     with tempfile.TemporaryDirectory() as staging:  # the record exists only in the store

@@ -17,7 +17,7 @@ from components.plots import read_records
 from components.precision import PrecisionError
 from components.store import Ref
 from components.train.data import DataFitError
-from components.train.resume import ResumeError, _decide
+from components.train.resume import ResumeError
 from tests.conftest import TRAIN_SHARDS, Trainer
 from tests.faults import injected, read_batches
 
@@ -158,29 +158,6 @@ def test_killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, setup
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
 
 
-def test_corrupt_newest_checkpoint_falls_back_and_partial_save_is_ignored(trainer, caplog):
-    r = trainer.run("train.steps=20", "train.checkpoint_interval=10", "train.checkpoint_keep=3")
-    root = node_checkpoints(r, 0)
-    shard = next((root / "step-20").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
-    partial = root / "step-30.tmp"  # what a process killed mid-save leaves
-    partial.mkdir()
-    (partial / "__0_0.distcp").write_bytes(b"half")
-    caplog.set_level("WARNING")
-    cfg = trainer.config("train.steps=20")
-    # auto: local first; the store holds the good step-20 too, so look only at the local choice
-    chosen = _decide("auto", root, _EmptyStore(), cfg.model, r.identity, max_step=20, relaunch=False)
-    assert chosen == root / "step-10"
-    assert "step-20" in caplog.text and shard.name in caplog.text and "truncated" in caplog.text
-
-
-class _EmptyStore:
-    description = "empty store"
-
-    def versions(self, kind, name):
-        return []
-
-
 def test_resume_auto_continues_from_the_store(trainer):
     first = trainer.run("train.steps=20", "train.checkpoint_interval=10")
     import shutil
@@ -253,20 +230,22 @@ def test_bad_input_fails_before_launch(trainer, overrides, error, match, capfd):
     assert not (trainer.tmp / "runs").exists()
 
 
-def test_longer_run_resumes_where_the_shorter_ended_on_another_world_size(trainer):
-    """`train.steps` and the world size are not the training identity: 20 steps on 2 ranks,
-    then 30 steps on 1 rank continues at step 20 from the 2-rank checkpoint. The blocks the
-    ranks actually read (hashed from the rows handed to the model, by global sample number)
-    across the two legs are those of an uninterrupted 1-rank run of as many samples: same
-    block at every position, none repeated or skipped, across shard boundaries of the
-    dataset's 4 shards (micro batches of 32 move through more than one shard per leg)."""
+def test_a_longer_run_seeded_with_the_shorter_continues_it_on_another_world_size(trainer):
+    """`train.resume=<version>` continues another run (here a longer one, on another world size):
+    20 steps on 2 ranks, then 30 steps on 1 rank seeded with the 20-step checkpoint continues at
+    step 20. The blocks the ranks actually read (hashed from the rows handed to the model, by
+    global sample number) across the two legs are those of an uninterrupted 1-rank run of as
+    many samples: same block at every position, none repeated or skipped, across shard
+    boundaries of the dataset's 4 shards (micro batches of 32 move through more than one shard
+    per leg)."""
     legs, whole, micro = trainer.tmp / "legs", trainer.tmp / "whole", "train.micro_batch_size=32"
     with injected(record_dir=str(legs)):
         first = trainer.run(*TWO_NODES, micro, "train.steps=20", "train.checkpoint_interval=10")
-        longer = trainer.run(micro, "train.steps=30", "train.checkpoint_interval=10")
-    assert longer.identity == first.identity and longer.run_dir == first.run_dir
-    start = events(longer.metrics, "start")[-1]
-    assert start["step"] == 20 and start["world"] == 1 and start["resumed_from"].endswith("step-20")
+        seed = f"train.resume={first.checkpoint_version}"
+        longer = trainer.run(micro, "train.steps=30", "train.checkpoint_interval=10", seed)
+    assert longer.identity != first.identity  # another schedule: continuing it is explicit
+    assert longer.result.resumed_from == f"checkpoint/tiny@{first.checkpoint_version}"
+    assert longer.result.start_step == 20 and longer.result.world == 1
     resumed_at, samples = 20 * 32 * 2, 20 * 32 * 2 + 10 * 32  # 2 ranks x 20 steps, then 1 rank x 10
     assert ckpt.verify(node_checkpoints(longer, 0) / "step-30")["samples"] == samples
     with injected(record_dir=str(whole)):
@@ -286,11 +265,13 @@ def test_longer_run_resumes_where_the_shorter_ended_on_another_world_size(traine
 def test_a_shorter_rerun_trains_its_own_steps_instead_of_handing_back_the_longer_model(trainer):
     longer = trainer.run("train.steps=20", "train.checkpoint_interval=10")
     shorter = trainer.run("train.steps=10", "train.checkpoint_interval=10")
-    start = events(shorter.metrics, "start")[-1]
-    assert start["step"] == 10 and shorter.result.checkpoint == "step-10"  # not the step-20 weights
-    assert shorter.model.ref != longer.model.ref
+    assert shorter.identity != longer.identity and shorter.result.resumed_from is None  # fresh
+    assert shorter.model.ref != longer.model.ref and shorter.result.checkpoint == "step-10"
+    # its own schedule: the 20-step run's step-10 checkpoint holds other weights
+    theirs = stored_checkpoints(trainer, longer)[10].ref.version
+    assert theirs != shorter.checkpoint_version
     step20 = stored_checkpoints(trainer, longer)[20].ref.version
-    with pytest.raises(ResumeError, match="is at step 20, beyond train.steps=10"):
+    with pytest.raises(ResumeError, match="is at step 20, nothing left to train with train.steps=10"):
         trainer.run("train.steps=10", f"train.resume={step20}")
 
 
@@ -377,8 +358,8 @@ def test_val_loss_and_one_tensorboard_event_file_per_run_are_published_with_the_
 
     common = ["train.val_interval=4", "train.checkpoint_interval=5", "train.warmup_steps=2"]
     first = trainer.run("train.steps=10", *common)
-    longer = trainer.run("train.steps=15", *common)
-    assert longer.run_dir == first.run_dir and events(longer.metrics, "start")[-1]["step"] == 10
+    longer = trainer.run("train.steps=15", *common, f"train.resume={first.checkpoint_version}")
+    assert longer.result.start_step == 10 and events(longer.metrics, "start")[-1]["step"] == 10
     assert [v["step"] for v in events(longer.metrics, "val")] == [4, 8, 10, 12, 15]
     assert all(v["val_blocks"] == 32 and 0 < v["val_loss"] < 10 for v in events(longer.metrics, "val"))
     on_node = list((longer.run_dir / "nodes" / "0" / "run" / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,0 +1,126 @@
+"""The store decides what resumes: a node's disk is only a cache of the run's store, a
+checkpoint continues only its own schedule unless a seed is named, damage is quarantined."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from components import checkpoint_format as ckpt
+from components.config import defaults
+from components.store import Ref
+from components.train.resume import _decide
+from tests.conftest import Trainer
+
+TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
+SHORT = ["train.steps=20", "train.checkpoint_interval=10", "model.hidden_size=32", "model.ffn_hidden_size=96"]
+
+
+def weights(run) -> dict[str, torch.Tensor]:
+    return load_file(run.export / "model.safetensors")
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def stored_steps(trainer, identity) -> dict[int, object]:
+    mine = [m for m in trainer.store.versions("checkpoint", "tiny") if m.metadata["identity"] == identity]
+    return {m.metadata["step"]: m for m in mine}
+
+
+def lineage_refs(tree: dict) -> list[str]:
+    return [tree["ref"], *(r for p in tree["parents"] for r in lineage_refs(p))]
+
+
+@pytest.mark.parametrize("nodes", [[], TWO_NODES], ids=["1node", "2nodes"])
+def test_a_run_against_another_store_trains_from_scratch_there(dataset_store, tmp_path, nodes):
+    """Store A's run leaves its checkpoints on the node disks; the same config against store B
+    (same node disks) must not resume them: B holds nothing of this training, so it trains from
+    scratch, publishes its own checkpoints, and its model's lineage is whole in B."""
+    a = Trainer(dataset_store, tmp_path / "a")
+    b = Trainer(dataset_store, tmp_path / "b")
+    b.tmp = a.tmp  # one run directory: the nodes' disks (their checkpoints) are shared between the runs
+    first = a.run(*nodes, *SHORT)
+    assert ckpt.local_checkpoints(first.run_dir / "nodes" / "0" / "checkpoints" / first.identity / "node0")
+    second = b.run(*nodes, *SHORT)
+    assert second.identity == first.identity and second.result.resumed_from is None
+    assert sorted(stored_steps(b, second.identity)) == [10, 20]  # B's run published every checkpoint itself
+    for refs in lineage_refs(b.store.lineage(second.model.ref)):
+        manifest = b.store.manifest(Ref.parse(refs))  # every version the model was made from is in B
+        assert not b.store.verify(manifest.ref), refs
+    assert same(weights(first), weights(second))  # the same training, deterministic, from step 0
+
+
+def test_the_node_copy_is_a_cache_of_the_store(trainer):
+    """A damaged local copy of a stored version is repaired from the store; a checkpoint only on
+    the node's disk (never committed to the run's store) is never resumed from."""
+    r = trainer.run("train.steps=20", "train.checkpoint_interval=10", "train.checkpoint_keep=3")
+    root = r.run_dir / "nodes" / "0" / "checkpoints" / r.identity / "node0"
+    shard = next((root / "step-20").glob("*.distcp"))
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])  # truncated on the node's disk
+    cfg = trainer.config("train.steps=20")
+    manifest, path = _decide("auto", root, trainer.store, cfg.model, r.identity, max_step=20)
+    assert manifest.metadata["step"] == 20 and path == root / "step-20"
+    assert shard.read_bytes() == good  # fetched back from the store, which holds the good bytes
+    other = Trainer(trainer.dataset_store, trainer.tmp / "other")  # a store that never saw this training
+    assert _decide("auto", root, other.store, cfg.model, r.identity, max_step=20) is None
+
+
+def test_a_corrupted_stored_checkpoint_is_quarantined_and_the_rerun_heals_it(trainer):
+    """Truncate one shard of the newest stored checkpoint, wipe the node disks: the rerun
+    resumes from the older step, quarantines the damaged version, trains the same weights and
+    publishes the checkpoint again with good bytes; the model's lineage verifies and validate passes."""
+    from components.validate.stage import run_validate
+
+    first = trainer.run(*SHORT)
+    newest = stored_steps(trainer, first.identity)[20]
+    object_file = trainer.tmp / "store" / "checkpoint" / "tiny" / newest.ref.version / "__0_0.distcp"
+    object_file.write_bytes(object_file.read_bytes()[:100])
+    shutil.rmtree(first.run_dir)
+    shutil.rmtree(trainer.store_cfg.cache_dir, ignore_errors=True)
+    again = trainer.run(*SHORT)
+    assert again.result.resumed_from == str(stored_steps(trainer, first.identity)[10].ref)
+    assert again.result.start_step == 10
+    assert again.checkpoint_version == newest.ref.version  # the same weights, so the same content name
+    assert not trainer.store.verify(newest.ref)  # published again, with good bytes
+    assert same(weights(first), weights(again))
+    for refs in lineage_refs(trainer.store.lineage(again.model.ref)):
+        assert not trainer.store.verify(Ref.parse(refs)), refs
+    verdict = run_validate(str(again.model.ref), defaults("eval"), trainer.store)
+    assert verdict.passed
+
+
+def test_resume_never_over_a_damaged_stored_version_republishes_it(trainer):
+    """`train.resume=never` retrains the same weights; the stored version of its final checkpoint
+    is damaged, so publishing it replaces it instead of keeping the dead bytes."""
+    first = trainer.run(*SHORT)
+    newest = stored_steps(trainer, first.identity)[20]
+    object_file = trainer.tmp / "store" / "checkpoint" / "tiny" / newest.ref.version / "__0_0.distcp"
+    object_file.write_bytes(b"garbage")
+    again = trainer.run(*SHORT, "train.resume=never")
+    assert again.result.resumed_from is None and again.checkpoint_version == newest.ref.version
+    assert not trainer.store.verify(newest.ref)
+
+
+def test_a_sweep_job_with_a_shorter_schedule_trains_its_own(trainer):
+    """12 steps at lr 1e-3, then the sweep's jobs of 8 steps at lr 1e-3 and 3e-3: each trains its
+    own 8 steps from scratch (not the 12-step run's step-8 checkpoint), and a 20-step run seeded
+    with the 12-step checkpoint continues it from step 12, naming it in its lineage."""
+    base = ["train.checkpoint_interval=4", "train.warmup_steps=2", "model.hidden_size=32", "model.ffn_hidden_size=96"]
+    twelve = trainer.run(*base, "train.lr=1e-3", "train.steps=12")
+    theirs = stored_steps(trainer, twelve.identity)[8]
+    jobs = [trainer.run(*base, f"train.lr={lr}", "train.steps=8") for lr in ("1e-3", "3e-3")]
+    for job in jobs:
+        assert job.result.resumed_from is None and job.result.continued == "fresh"
+        assert job.checkpoint_version != theirs.ref.version
+        assert not same(weights(job), weights(twelve))
+    seeded = trainer.run(*base, "train.lr=1e-3", "train.steps=20", f"train.resume={twelve.checkpoint_version}")
+    assert seeded.result.start_step == 12
+    assert seeded.result.continued.startswith(f"resumed from checkpoint/tiny@{twelve.checkpoint_version} at step 12")
+    assert trainer.store.manifest(seeded.model.ref).metadata["continued"] == seeded.result.continued
+    assert f"checkpoint/tiny@{twelve.checkpoint_version}" in lineage_refs(trainer.store.lineage(seeded.model.ref))
