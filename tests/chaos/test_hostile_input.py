@@ -184,11 +184,44 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
+def tiny_checkpoint(ckpt_dir: Path, lr=None):
+    """A real (single-process) checkpoint of a tiny model and its optimizer in `ckpt_dir`, as
+    `checkpoint.load` reads one (`lr`, if given, replaces the stored param group's: DCP keeps it
+    as a pickled bytes item); returns a fresh model and optimizer to load it into."""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if lr is not None:
+        optim_sd["param_groups"][0]["lr"] = lr
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir), no_dist=True)
+    (ckpt_dir / "meta.json").write_text(json.dumps({"step": 1}))
+    fresh = torch.nn.Linear(3, 2)
+    return fresh, torch.optim.AdamW(fresh.parameters())
+
+
+def torch_saved(path: Path, obj) -> bytes:
+    """`obj` as torch.save writes it (the format of a real rank{r}.pt): pickling an _Exploit
+    only records its __reduce__, nothing runs."""
+    import torch
+
+    torch.save(obj, path)
+    return path.read_bytes()
+
+
 def test_files_crafted_to_run_code_on_load_are_refused(tmp_path, chaos):
     import torch
 
     from components.checkpoint_format import CheckpointError, read_metadata_safely
     from components.hf import ModelLoadError, load_hf_model
+    from components.train import checkpoint
 
     rec = chaos(
         "checkpoint metadata, rank state and model weights crafted to run code when unpickled",
@@ -199,9 +232,21 @@ def test_files_crafted_to_run_code_on_load_are_refused(tmp_path, chaos):
     (tmp_path / ".metadata").write_bytes(payload)
     with pytest.raises(CheckpointError, match=r"\.metadata: refusing to load checkpoint metadata"):
         read_metadata_safely(tmp_path / ".metadata")
-    (tmp_path / "rank0.pt").write_bytes(payload)
-    with pytest.raises(pickle.UnpicklingError):
-        torch.load(tmp_path / "rank0.pt", weights_only=True)  # how checkpoint.load reads rank state
+    ckpt_dir = tmp_path / "step-1"
+    model, optimizer = tiny_checkpoint(ckpt_dir)
+    crafted = {"torch.save": torch_saved(ckpt_dir / "crafted.pt", {"rng": _Exploit(marker)}), "raw pickle": payload}
+    for kind, data in crafted.items():
+        (ckpt_dir / "rank0.pt").write_bytes(data)
+        with pytest.raises((pickle.UnpicklingError, CheckpointError)):
+            try:
+                checkpoint.load(ckpt_dir, model, optimizer, rank=0)  # what a resuming rank calls
+            finally:
+                assert not marker.exists(), f"checkpoint.load ran the code in a {kind} rank0.pt"
+    # the payload is live: a plain torch.load of that rank state runs it
+    probe = Path(f"{marker}-probe")
+    torch_saved(ckpt_dir / "rank0.pt", {"rng": _Exploit(probe)})
+    torch.load(ckpt_dir / "rank0.pt", weights_only=False)
+    assert probe.exists()
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "llama"}')
@@ -209,7 +254,7 @@ def test_files_crafted_to_run_code_on_load_are_refused(tmp_path, chaos):
     with pytest.raises(ModelLoadError, match="pickled weights are refused"):
         load_hf_model(model_dir)
     assert not marker.exists()
-    rec.happened("metadata unpickler, weights_only load and safetensors-only loading all refused it")
+    rec.happened("metadata unpickler, checkpoint.load of rank state and safetensors-only loading all refused it")
 
 
 def stack_global_payload(module: str, name: str, command: str) -> bytes:
@@ -309,6 +354,7 @@ def test_code_in_a_checkpoint_shards_bytes_items_never_runs(tmp_path, chaos):
     import torch.distributed.checkpoint as dcp
 
     from components.checkpoint_format import CheckpointError, load_state
+    from components.train import checkpoint
     from components.validate.checks import ValidationFailed, load_checkpoint_weights
 
     rec = chaos(
@@ -329,7 +375,17 @@ def test_code_in_a_checkpoint_shards_bytes_items_never_runs(tmp_path, chaos):
     with pytest.raises(CheckpointError, match="refusing to load optim.param_groups"):
         load_state({"optim": {"param_groups": []}}, crafted, no_dist=True)
     assert not marker.exists()
+    # what a resuming rank calls reads the shards through the same safe loader
+    model, optimizer = tiny_checkpoint(tmp_path / "step-1", lr=payload)
+    with pytest.raises(CheckpointError, match="refusing to load optim.param_groups.0.lr"):
+        try:
+            checkpoint.load(tmp_path / "step-1", model, optimizer, rank=0)
+        finally:
+            assert not marker.exists(), "checkpoint.load ran the code in an optimizer param group"
     # the payload is live: DCP's own loader runs it
     dcp.load({"optim": {"param_groups": []}}, checkpoint_id=str(crafted), no_dist=True)
     assert marker.exists()
-    rec.happened("a weight and the optimizer's param groups as code: both refused by SafeLoadPlanner; no command ran")
+    rec.happened(
+        "a weight and the optimizer's param groups as code: refused by SafeLoadPlanner (validate, load_state, "
+        "checkpoint.load); no command ran"
+    )
