@@ -20,11 +20,65 @@ def _package(path: Path) -> list[str]:
     return list(path.relative_to(ROOT).with_suffix("").parts[:-1])
 
 
-def _imported_modules(path: Path) -> list[tuple[int, str]]:
+DYNAMIC_IMPORTERS = {"import_module", "__import__", "run_module"}  # importlib's, the builtin, runpy's
+DYNAMIC = "*"  # a module name's part only known at run time: `components.*` may be any stage
+
+
+def _static_prefix(node: ast.expr) -> tuple[str, bool]:
+    """What an expression's string value is known to start with, and whether that is all of it:
+    constants, f-strings, `+`, `%` and `.format` on a constant."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value, True
+    if isinstance(node, ast.JoinedStr):
+        text = ""
+        for part in node.values:
+            if not (isinstance(part, ast.Constant) and isinstance(part.value, str)):
+                return text, False
+            text += part.value
+        return text, True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, whole = _static_prefix(node.left)
+        if not whole:
+            return left, False
+        right, whole = _static_prefix(node.right)
+        return left + right, whole
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+        left, _ = _static_prefix(node.left)
+        return left.split("%", 1)[0], False
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format":
+        left, _ = _static_prefix(node.func.value)
+        return left.split("{", 1)[0], False
+    return "", False
+
+
+def _dynamic_import(node: ast.Call, path: Path) -> str | None:
+    """The module a call to importlib.import_module / __import__ / runpy.run_module names, as far
+    as the source spells it: a prefix known only up to a run-time part ends in `.*`."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in DYNAMIC_IMPORTERS or not node.args:
+        return None
+    text, whole = _static_prefix(node.args[0])
+    if text.startswith("."):  # relative to the package argument, in practice the file's own (__package__)
+        dots = len(text) - len(text.lstrip("."))
+        package = _package(path)[: len(_package(path)) - (dots - 1)]
+        text = ".".join([*package, text[dots:]]) if text[dots:] or not whole else ".".join(package)
+    if not text and not whole:
+        return None  # nothing static: a name from config (a plugin), not this tree's layout
+    if whole:
+        return text
+    # a run-time part follows: a part spelled only in part (`components.tr{x}`) may be any module
+    known = text.rsplit(".", 1)[0] if "." in text else ""
+    return f"{known}.{DYNAMIC}" if known else DYNAMIC
+
+
+def _imported_modules(path: Path, source: str | None = None) -> list[tuple[int, str]]:
     """Every module a file names: import statements anywhere (relative ones resolved against
-    the file's package) and string constants that spell a liftoff module (importlib)."""
+    the file's package), the first argument of importlib.import_module / __import__ /
+    runpy.run_module (constants, f-strings and concatenations: a part known only at run time is
+    `*`), and string constants that spell a liftoff module."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -34,10 +88,20 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
                 base = ".".join([*package, *([base] if base else [])])
             found.append((node.lineno, base))
             found += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Call) and (module := _dynamic_import(node, path)) is not None:
+            found.append((node.lineno, module))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             if re.fullmatch(r"components(\.\w+)+", node.value):
                 found.append((node.lineno, node.value))
     return found
+
+
+def _stages_named(module: str) -> set[str]:
+    """The stages a module name may be in: its stage, or every stage where that part is `*`."""
+    parts = module.split(".")
+    if module == DYNAMIC or parts[:2] == ["components", DYNAMIC]:
+        return set(STAGES)
+    return {parts[1]} if parts[0] == "components" and len(parts) > 1 and parts[1] in STAGES else set()
 
 
 def test_stages_are_found():
@@ -50,8 +114,7 @@ def test_no_stage_imports_another_stage():
         rel = path.relative_to(ROOT / "components")
         own = rel.parts[0] if len(rel.parts) > 1 else None
         for line, module in _imported_modules(path):
-            parts = module.split(".")
-            if parts[0] == "components" and len(parts) > 1 and parts[1] in STAGES and parts[1] != own:
+            if _stages_named(module) - {own}:
                 sideways.append(f"components/{rel}:{line} imports {module}")
     assert not sideways, "stages import the shared floor, never each other:\n" + "\n".join(sideways)
 
@@ -64,9 +127,45 @@ def test_the_floor_imports_no_stage():
         f"{path.relative_to(ROOT)}:{line} imports {module}"
         for path in sorted(floor)
         for line, module in _imported_modules(path)
-        if module.startswith("components.") and module.split(".")[1] in STAGES
+        if _stages_named(module)
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_import_scan_sees_dynamic_imports():
+    """importlib, __import__ and runpy calls count as imports, down to the part known statically."""
+    snippet = """
+import importlib
+from importlib import import_module
+def load(x, name):
+    importlib.import_module(f"components.{x}.stage")
+    importlib.import_module(f"components.train.{x}")
+    import_module("components." + x)
+    importlib.import_module("components.tr" + x)
+    __import__("components.evaluate.report")
+    __import__("components.{}.worker".format(x))
+    importlib.import_module("components.%s" % x)
+    importlib.import_module(".checks", __package__)
+    importlib.import_module(name)
+"""
+    path = ROOT / "components" / "preflight" / "snippet.py"  # never written: only its package matters
+    found: dict[int, set[str]] = {}
+    for line, module in _imported_modules(path, snippet):
+        found.setdefault(line, set()).add(module)
+    assert found == {
+        2: {"importlib"},
+        3: {"importlib", "importlib.import_module"},
+        5: {"components.*"},
+        6: {"components.train.*"},
+        7: {"components.*"},
+        8: {"components.*", "components.tr"},  # the constant too: harmless, no stage is "tr"
+        9: {"components.evaluate.report"},
+        10: {"components.*"},
+        11: {"components.*"},
+        12: {"components.preflight.checks"},
+    }, found  # line 13: a name from config, nothing static to check
+    assert _stages_named("components.*") == set(STAGES) and _stages_named("components.train.*") == {"train"}
+    assert _stages_named("components.preflight.checks") == {"preflight"} and not _stages_named("components.store")
 
 
 def test_no_function_is_longer_than_a_screen():
