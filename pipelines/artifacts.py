@@ -1,4 +1,5 @@
-"""`liftoff artifacts ls | show | get`: the store's versions for people, sizes and dates readable."""
+"""`liftoff artifacts ls | show | get | rm | pin | unpin`: the store's versions for people, sizes and
+dates readable; removing a version (and what names it) and keeping one from retention."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from components.store import KINDS, ArtifactStore, Manifest, check_part
+from components.store import KINDS, ArtifactStore, Manifest, Ref, check_part
 
-USAGE = "liftoff artifacts ls [KIND] | show KIND/NAME[@VERSION] [--json] | get KIND/NAME[@VERSION] [DEST]"
+USAGE = (
+    "liftoff artifacts ls [KIND] | show KIND/NAME[@VERSION] [--json] | get KIND/NAME[@VERSION] [DEST]"
+    " | rm KIND/NAME@VERSION [--with-dependants] | pin KIND/NAME@VERSION | unpin KIND/NAME@VERSION"
+)
 
 
 class UsageError(ValueError):
@@ -35,8 +39,9 @@ def when(created: str) -> str:
 
 
 def known_kinds(store: ArtifactStore) -> list[str]:
-    """The kinds the pipeline publishes and any other kind this store holds."""
-    return sorted({*KINDS, *store.backend.list_prefixes("")})
+    """The kinds the pipeline publishes and any other kind this store holds (not the store's own
+    prefixes, which start with `_`: its leases)."""
+    return sorted({*KINDS, *(k for k in store.backend.list_prefixes("") if not k.startswith("_"))})
 
 
 def check_kind(store: ArtifactStore, kind: str) -> str:
@@ -108,6 +113,8 @@ def show(store: ArtifactStore, m: Manifest) -> None:
 def _print_lineage(node: dict, depth: int) -> None:
     if node.get("missing"):
         note = "  (missing from the store)"
+    elif node.get("quarantined"):
+        note = f"  (quarantined {when(node.get('quarantined_at') or '')} UTC: {node.get('reason')})"
     else:
         note = f"  created {when(node.get('created', ''))}  code {node.get('code_version')}"
     print("  " * depth + node["ref"] + note)
@@ -140,4 +147,40 @@ def cmd_get(store: ArtifactStore, words: list[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = {"ls": cmd_ls, "show": cmd_show, "get": cmd_get}
+def exact_ref(store: ArtifactStore, verb: str, words: list[str]) -> Ref:
+    """The one KIND/NAME@VERSION a changing command names; `latest` is not allowed here."""
+    usage = f"usage: liftoff artifacts {verb} KIND/NAME@VERSION" + (" [--with-dependants]" if verb == "rm" else "")
+    if len(words) != 1:
+        raise UsageError(usage)
+    kind, name, version = parse_target(store, verb, words[0])
+    if version == "latest":
+        raise UsageError(f"{usage}: {verb} needs the version itself, {words[0]!r} names none")
+    return Ref(kind, name, version)
+
+
+def cmd_rm(store: ArtifactStore, words: list[str]) -> int:
+    """Remove a version: refused (one line naming them, exit 2) when some lineage names it, unless
+    --with-dependants, which removes those too. One line per version removed."""
+    with_dependants = "--with-dependants" in words
+    ref = exact_ref(store, "rm", [w for w in words if w != "--with-dependants"])
+    for removed in store.remove(ref, with_dependants=with_dependants):
+        print(f"removed {removed}")
+    return 0
+
+
+def cmd_pin(store: ArtifactStore, words: list[str]) -> int:
+    """Keep a version from retention."""
+    ref = exact_ref(store, "pin", words)
+    store.pin(ref)
+    print(f"pinned {ref}")
+    return 0
+
+
+def cmd_unpin(store: ArtifactStore, words: list[str]) -> int:
+    ref = exact_ref(store, "unpin", words)
+    store.unpin(ref)
+    print(f"unpinned {ref}")
+    return 0
+
+
+SUBCOMMANDS = {"ls": cmd_ls, "show": cmd_show, "get": cmd_get, "rm": cmd_rm, "pin": cmd_pin, "unpin": cmd_unpin}

@@ -92,6 +92,12 @@ def cmd_artifacts(args: list[str]) -> int:
                                    --json prints its raw manifest; VERSION defaults to the latest
     get KIND/NAME[@VERSION] [DEST] download it into DEST (default ./KIND-NAME-VERSION), checking
                                    every file's sha256, and print the folder
+    rm KIND/NAME@VERSION           remove a version (every object, every S3 object version);
+                                   refused when some lineage names it, unless --with-dependants,
+                                   which removes those versions too; prints what it removed
+    pin KIND/NAME@VERSION          keep a version from checkpoint retention (unpin: no longer)
+
+    A store that does not exist (store.root, or store.bucket for MinIO) is an error, exit 2.
     """
     from components.store import open_store
     from pipelines.artifacts import SUBCOMMANDS
@@ -100,7 +106,7 @@ def cmd_artifacts(args: list[str]) -> int:
     if not words or words[0] not in SUBCOMMANDS:
         got = f", got {words[0]!r}" if words else ""
         raise UsageError(f"usage: {ARTIFACTS_USAGE}  [overrides]{got}")
-    store = open_store(OmegaConf.to_object(compose(overrides).store))
+    store = open_store(OmegaConf.to_object(compose(overrides).store), create=False)
     return SUBCOMMANDS[words[0]](store, words[1:])
 
 

@@ -356,3 +356,218 @@ def test_object_source_needs_the_minio_backend(tmp_path):
 
     with pytest.raises(StoreError, match="s3:// sources need store.backend=minio"):
         object_source(store_config("local", tmp_path))
+
+
+# -- damage: verify, quarantine, heal -------------------------------------------------------------
+
+
+def test_verify_names_every_damaged_object(store, tmp_path):
+    from tests.store_objects import is_s3
+
+    m = store.publish("checkpoint", "m", "id-step10-aaa", make_tree(tmp_path / "src", "x"))
+    assert store.verify(m.ref) == []
+    store.backend.put_bytes("checkpoint/m/id-step10-aaa/sub/b.bin", b"y" * 1000)  # same size, other bytes
+    store.backend.put_bytes("checkpoint/m/id-step10-aaa/a.txt", b"short")
+    assert store.verify(m.ref) == [
+        "checkpoint/m/id-step10-aaa/a.txt: 5 bytes, the manifest says 7",
+        f"checkpoint/m/id-step10-aaa/sub/b.bin: sha256 {hashlib.sha256(b'y' * 1000).hexdigest()[:12]}, "
+        f"the manifest says {m.files['sub/b.bin']['sha256'][:12]}",
+    ]
+    if is_s3(store):
+        store.backend.client.remove_object(store.backend.bucket, "checkpoint/m/id-step10-aaa/a.txt")
+    else:
+        (store.backend.root / "checkpoint/m/id-step10-aaa/a.txt").unlink()
+    assert store.verify(m.ref)[0] == "checkpoint/m/id-step10-aaa/a.txt: missing"
+
+
+def test_a_quarantined_version_no_longer_exists_but_its_bytes_stay(store, tmp_path):
+    from tests.store_objects import is_s3, object_versions
+
+    store.publish("checkpoint", "m", "id-step10-aaa", make_tree(tmp_path / "old", "old"), metadata={"step": 10})
+    time.sleep(0.01)
+    bad = store.publish("checkpoint", "m", "id-step20-bbb", make_tree(tmp_path / "new", "new"), metadata={"step": 20})
+    store.backend.put_bytes("checkpoint/m/id-step20-bbb/sub/b.bin", b"truncated")
+    problems = store.check(bad.ref)
+    assert problems == ["checkpoint/m/id-step20-bbb/sub/b.bin: 9 bytes, the manifest says 3000"]
+
+    assert not store.exists(bad.ref)
+    with pytest.raises(NotFound):
+        store.manifest(bad.ref)
+    with pytest.raises(NotFound, match="no version checkpoint/m@id-step20-bbb"):
+        store.resolve("checkpoint", "m", "id-step20-bbb")
+    assert [m.ref.version for m in store.versions("checkpoint", "m")] == ["id-step10-aaa"]
+    assert store.resolve("checkpoint", "m").ref.version == "id-step10-aaa"  # never resumed from
+    assert [str(m.ref) for m in store.ls()] == ["checkpoint/m@id-step10-aaa"]
+
+    record = json.loads(store.backend.get_bytes("checkpoint/m/id-step20-bbb/manifest.quarantined.json"))
+    assert record["reason"] == f"does not verify: {problems[0]}" and record["at"]
+    assert record["manifest"]["files"] == bad.files and record["manifest"]["metadata"] == {"step": 20}
+    assert store.quarantined(bad.ref) == record
+    stored = dict(object_versions(store, "checkpoint/m/id-step20-bbb")) if not is_s3(store) else None
+    if stored is not None:  # locally: the manifest is gone, the bytes and the record are there
+        assert set(stored) == {
+            "checkpoint/m/id-step20-bbb/a.txt",
+            "checkpoint/m/id-step20-bbb/sub/b.bin",
+            "checkpoint/m/id-step20-bbb/manifest.quarantined.json",
+        }
+    else:  # on S3 the manifest's last version is behind a delete marker, kept for forensics
+        kinds = [w for k, w in object_versions(store, "checkpoint/m/id-step20-bbb/manifest.json")]
+        assert kinds == ["delete-marker", "noncurrent"]
+    assert store.backend.get_bytes("checkpoint/m/id-step20-bbb/a.txt") == b"alpha new"
+    assert store.quarantine(bad.ref, "again") == record  # idempotent: the first reason stays
+    with pytest.raises(NotFound, match="to quarantine"):
+        store.quarantine(Ref("checkpoint", "m", "never-stored"), "x")
+
+
+def test_committing_a_quarantined_version_again_makes_it_valid(store, tmp_path):
+    src = make_tree(tmp_path / "src", "w")
+    m = store.publish("checkpoint", "m", "id-step20-bbb", src, metadata={"step": 20})
+    store.backend.put_bytes("checkpoint/m/id-step20-bbb/sub/b.bin", b"w" * 999 + b"!")  # bit rot, same size
+    store.check(m.ref)
+    assert not store.exists(m.ref)
+    # a rerun that retrains identical weights produces the same content-named version
+    again = store.publish("checkpoint", "m", "id-step20-bbb", src, metadata={"step": 20}, same_content=True)
+    assert store.exists(m.ref) and again.files == m.files and store.verify(m.ref) == []
+    assert store.quarantined(m.ref) is None
+    with pytest.raises(NotFound):
+        store.backend.get_bytes("checkpoint/m/id-step20-bbb/manifest.quarantined.json")
+    assert (store.fetch(again, tmp_path / "out") / "sub" / "b.bin").read_bytes() == b"w" * 1000
+
+
+def test_a_commit_that_does_not_replace_the_damaged_bytes_stays_quarantined(store, tmp_path):
+    m = store.publish("checkpoint", "m", "v", make_tree(tmp_path / "src", "w"))
+    store.backend.put_bytes("checkpoint/m/v/sub/b.bin", b"w" * 999 + b"!")
+    store.check(m.ref)
+    with pytest.raises(IntegrityError, match="checkpoint/m@v stays quarantined: .*sub/b.bin: sha256"):
+        store.commit(m.ref, m.files)  # the manifest's entries, without uploading the good bytes
+    assert not store.exists(m.ref) and store.quarantined(m.ref) is not None
+
+
+def test_lineage_shows_a_quarantined_parent_and_no_new_version_is_made_from_it(store, tmp_path):
+    store.publish("dataset", "d", "h1", make_tree(tmp_path / "d", "d"))
+    ck = store.publish("checkpoint", "c", "r-step5", make_tree(tmp_path / "c", "c"), parents=["dataset/d@h1"])
+    store.publish("model", "m", "r", make_tree(tmp_path / "m", "m"), parents=["checkpoint/c@r-step5"])
+    store.backend.put_bytes("checkpoint/c/r-step5/a.txt", b"rotten!")
+    store.check(ck.ref)
+    tree = store.lineage(Ref("model", "m", "r"))
+    parent = tree["parents"][0]
+    assert parent["ref"] == "checkpoint/c@r-step5" and parent["quarantined"] is True
+    assert parent["reason"].startswith("does not verify: checkpoint/c/r-step5/a.txt: sha256")
+    assert parent["parents"][0]["ref"] == "dataset/d@h1"  # its own lineage is still shown
+    bad = store.verify_lineage(Ref("model", "m", "r"))
+    assert list(bad) == ["checkpoint/c@r-step5"] and bad["checkpoint/c@r-step5"][0].startswith("quarantined: ")
+    with pytest.raises(IntegrityError, match="parent checkpoint/c@r-step5 is quarantined"):
+        store.publish("model", "m", "r2", make_tree(tmp_path / "m2", "m2"), parents=["checkpoint/c@r-step5"])
+    assert not store.exists(Ref("model", "m", "r2"))
+
+
+# -- deleting and pinning --------------------------------------------------------------------------
+
+
+def test_delete_removes_every_object_and_every_object_version(store, tmp_path):
+    from tests.store_objects import is_s3, keys_under
+
+    store.publish("dataset", "d", "v1", make_tree(tmp_path / "a", "a"))
+    store.publish("dataset", "d", "v10", make_tree(tmp_path / "b", "b"))
+    store.backend.put_bytes("dataset/d/v1/a.txt", b"overwritten: an older object version stays on S3")
+    store.pin(Ref("dataset", "d", "v1"))
+    assert keys_under(store, "dataset/d/v1")
+    store.delete(Ref("dataset", "d", "v1"))
+    assert keys_under(store, "dataset/d/v1") == []  # nothing, not even a noncurrent version or marker
+    assert keys_under(store, "dataset/d/v10") == sorted(
+        ["dataset/d/v10/a.txt", "dataset/d/v10/manifest.json", "dataset/d/v10/sub/b.bin"]
+    )
+    assert [m.ref.version for m in store.versions("dataset", "d")] == ["v10"]
+    with pytest.raises(NotFound, match="no version dataset/d@v1"):
+        store.delete(Ref("dataset", "d", "v1"))
+    if is_s3(store):
+        assert store.backend.purge("dataset/d/v10") == 3
+
+
+def test_delete_takes_the_manifest_first(store, tmp_path):
+    store.publish("dataset", "d", "v", make_tree(tmp_path / "a", "a"))
+    real, order = store.backend, []
+
+    class Recording:
+        description = real.description
+
+        def purge(self, prefix):
+            order.append(prefix)
+            if len(order) == 2:
+                raise ConnectionError("cut after the manifest")
+            return real.purge(prefix)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    store.backend = Recording()
+    with pytest.raises(ConnectionError):
+        store.delete(Ref("dataset", "d", "v"))
+    store.backend = real
+    assert order == ["dataset/d/v/manifest.json", "dataset/d/v"]
+    assert not store.exists(Ref("dataset", "d", "v")) and store.versions("dataset", "d") == []  # invisible
+
+
+def test_pins_are_objects_of_the_version(store, tmp_path):
+    m = store.publish("checkpoint", "m", "v", make_tree(tmp_path / "a", "a"))
+    assert not store.is_pinned(m.ref)
+    store.pin(m.ref)
+    assert store.is_pinned(m.ref) and json.loads(store.backend.get_bytes("checkpoint/m/v/manifest.pinned.json"))
+    assert store.verify(m.ref) == [] and store.versions("checkpoint", "m")[0].files == m.files
+    store.unpin(m.ref)
+    assert not store.is_pinned(m.ref)
+    with pytest.raises(NotFound, match="to pin"):
+        store.pin(Ref("checkpoint", "m", "absent"))
+
+
+@pytest.mark.parametrize("name", ["manifest.pinned.json", "manifest.quarantined.json", "manifest.json"])
+def test_the_store_s_own_file_names_cannot_be_published(store, tmp_path, name):
+    src = make_tree(tmp_path / "src", "x")
+    (src / name).write_text("{}")
+    with pytest.raises(InvalidKey, match=f"contains a file named {name}, which the store reserves"):
+        store.publish("dataset", "d", "v", src)
+
+
+# -- a store that is not there, or cannot be written ------------------------------------------------
+
+
+def test_reading_a_store_that_does_not_exist_names_store_root(tmp_path):
+    from components.store import StoreError
+
+    missing = tmp_path / "no-store-here"
+    with pytest.raises(StoreError) as e:
+        open_store(defaults("store", root=str(missing), cache_dir=str(tmp_path / "c")), create=False)
+    assert str(e.value) == f"store.root={missing}: no artifact store there"
+    assert not missing.exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError) as e:
+        open_store(defaults("store", root=str(tmp_path / "file"), cache_dir=str(tmp_path / "c")), create=False)
+    assert str(e.value) == f"store.root={tmp_path / 'file'}: no artifact store there (not a directory)"
+
+
+def test_reading_a_bucket_that_does_not_exist_names_store_bucket(s3_env, tmp_path):
+    from components.store import StoreError
+    from tests.conftest import store_config
+
+    cfg = store_config("minio", tmp_path)
+    with pytest.raises(StoreError) as e:
+        open_store(cfg, create=False)
+    assert str(e.value) == f"store.bucket={cfg.bucket}: no artifact store there (MinIO endpoint {s3_env})"
+    assert not open_store(store_config("minio", tmp_path)).backend.client.bucket_exists(cfg.bucket)
+
+
+def test_writing_where_no_store_can_be_names_store_root_the_path_and_the_reason(tmp_path):
+    from components.store import StoreError
+
+    store = open_store(defaults("store", root="/proc/x", cache_dir=str(tmp_path / "c")))
+    with pytest.raises(StoreError) as e:
+        store.publish("dataset", "d", "v", make_tree(tmp_path / "src", "x"))
+    assert str(e.value) == "store.root=/proc/x: cannot write dataset/d/v/a.txt there: No such file or directory"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError) as e:
+        open_store(defaults("store", root=str(tmp_path / "file" / "store"), cache_dir=str(tmp_path / "c")))
+    root, above = tmp_path / "file" / "store", tmp_path / "file"
+    assert str(e.value) == f"store.root={root}: cannot create the artifact store there: {above} is a file"
+    with pytest.raises(StoreError) as e:
+        open_store(defaults("store", root=str(tmp_path / "file"), cache_dir=str(tmp_path / "c")))
+    assert str(e.value) == f"store.root={tmp_path / 'file'}: cannot use it as the artifact store: Not a directory"

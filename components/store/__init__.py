@@ -2,13 +2,16 @@
 
 keys.py holds the key and manifest model (errors, Ref, Manifest, sha256, code version),
 local.py and s3.py the two backends (s3.py also reads s3:// sources), artifacts.py the
-store itself (publish, resolve, fetch, read_range) and open_store. Import from here.
+store itself (publish, resolve, fetch, read_range, verify, quarantine, delete) and open_store,
+retention.py which checkpoints are kept, lease.py one holder per training identity. Import from here.
 """
 
-from components.store.artifacts import ArtifactStore, Backend, open_store
+from components.store.artifacts import ArtifactStore, Backend, HasDependants, open_store
 from components.store.keys import (
     KINDS,
     MANIFEST,
+    PINNED,
+    QUARANTINED,
     IntegrityError,
     InvalidKey,
     Manifest,
@@ -22,7 +25,9 @@ from components.store.keys import (
     code_version,
     sha256_file,
 )
+from components.store.lease import Lease, LeaseHeld, LeaseLost, default_holder
 from components.store.local import LocalBackend
+from components.store.retention import apply_retention, plan_retention
 from components.store.s3 import (
     Connection,
     MinioBackend,
@@ -35,11 +40,17 @@ from components.store.s3 import (
 __all__ = [
     "KINDS",
     "MANIFEST",
+    "PINNED",
+    "QUARANTINED",
     "ArtifactStore",
     "Backend",
     "Connection",
+    "HasDependants",
     "IntegrityError",
     "InvalidKey",
+    "Lease",
+    "LeaseHeld",
+    "LeaseLost",
     "LocalBackend",
     "Manifest",
     "MinioBackend",
@@ -47,14 +58,17 @@ __all__ = [
     "ObjectSource",
     "Ref",
     "SourceObject",
+    "apply_retention",
     "StoreError",
     "StoreUnreachable",
     "check_part",
     "check_range",
     "check_relpath",
     "code_version",
+    "default_holder",
     "object_source",
     "open_store",
     "parse_s3_url",
+    "plan_retention",
     "sha256_file",
 ]

@@ -4,14 +4,24 @@ Keys are `<kind>/<name>/<version>/<file>`. A version is published file by file a
 `manifest.json` (files with sha256 and size, metadata, parents, code version, created
 time) is written last: a version without a valid manifest does not exist, so a publish
 that dies half-way leaves nothing visible. Fetches verify every file's sha256.
+
+A version whose stored bytes do not verify is quarantined (`quarantine`): its manifest is moved
+aside to `<kind>/<name>/<version>/manifest.quarantined.json` with the reason and time, so the
+version no longer exists for `exists`, `manifest`, `versions`, `resolve` and `ls` (it is never
+resumed and never a parent) while its bytes stay for forensics; committing the version again
+(a rerun that produces the same content-named version) makes it valid again. A pin
+(`manifest.pinned.json`) keeps a version from retention. `delete` removes a version: the
+manifest first (a half-deleted version is invisible), then every object and, on a versioned
+bucket, every object version under its prefix.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
@@ -19,11 +29,15 @@ from typing import Protocol
 from components.config import StoreBackend, StoreConfig
 from components.store.keys import (
     MANIFEST,
+    PINNED,
+    QUARANTINED,
+    RESERVED,
     IntegrityError,
     InvalidKey,
     Manifest,
     NotFound,
     Ref,
+    StoreError,
     check_part,
     check_range,
     check_relpath,
@@ -50,6 +64,27 @@ class Backend(Protocol):
     def list_manifests(self, prefix: str) -> dict[str, float]: ...  # version -> manifest mtime, one listing
     def list_sizes(self, prefix: str) -> dict[str, int]: ...  # path under prefix -> size, every object
     def delete(self, key: str) -> None: ...
+    def digest(self, key: str) -> tuple[str, int]: ...  # (sha256 hex, size), streamed; NotFound
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool: ...  # atomic create; False if present
+    def replace_bytes_if(self, key: str, expected: bytes, data: bytes) -> bool: ...  # compare-and-swap
+    def purge(self, prefix: str) -> int: ...  # the object or everything under prefix/, every version
+    def drop_history(self, key: str) -> int: ...  # the noncurrent versions of one object
+
+
+class HasDependants(StoreError):
+    """A version some other version's lineage names: removing it alone would break that lineage."""
+
+    def __init__(self, ref: Ref, dependants: list[Ref]):
+        self.ref, self.dependants = ref, dependants
+        names = ", ".join(map(str, dependants))
+        super().__init__(
+            f"{ref} is in the lineage of {len(dependants)} version{'s' if len(dependants) != 1 else ''}: "
+            f"{names}; --with-dependants removes them too"
+        )
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
 def _files_of(src: Path) -> dict[str, Path]:
@@ -62,6 +97,12 @@ def _files_of(src: Path) -> dict[str, Path]:
     for rel in files:
         check_relpath(rel)
     return files
+
+
+def _check_not_reserved(entries: Iterable[str], what: str) -> None:
+    reserved = sorted(set(entries) & set(RESERVED))
+    if reserved:
+        raise InvalidKey(f"{what} contains a file named {reserved[0]}, which the store reserves")
 
 
 class ArtifactStore:
@@ -110,8 +151,7 @@ class ArtifactStore:
         if self.exists(ref):
             ours = {rel: {"sha256": sha256_file(path)} for rel, path in files.items()} if same_content else None
             return self._stored(ref, ours, str(src))
-        if MANIFEST in files:
-            raise InvalidKey(f"{src} contains a file named {MANIFEST}, which the store reserves")
+        _check_not_reserved(files, str(src))
         return self.commit(ref, self.upload(ref, files), metadata, parents)
 
     def _stored(self, ref: Ref, ours: dict | None, what: str) -> Manifest:
@@ -132,6 +172,7 @@ class ArtifactStore:
     def upload(self, ref: Ref, files: dict[str, Path]) -> dict[str, dict]:
         """Upload files into a version that is not visible yet; their manifest entries. Several
         processes may each upload their share of one version (the ranks of a checkpoint)."""
+        _check_not_reserved(files, f"the files of {ref}")
         entries = {}
         for rel, path in files.items():
             check_relpath(rel)
@@ -148,11 +189,21 @@ class ArtifactStore:
         same_content: bool = False,
     ) -> Manifest:
         """Make a version visible: write its manifest, once every listed file is in the store at
-        its recorded size (one listing). A missing part is an error naming it; nothing is written."""
+        its recorded size (one listing). A missing part is an error naming it; nothing is written.
+
+        A quarantined parent is refused (IntegrityError naming it). Committing a quarantined
+        version again makes it valid once every file's stored bytes verify against `entries`
+        (streamed, each hashed); the quarantine record is then removed."""
         for p in parents:
-            Ref.parse(p)
+            parent = Ref.parse(p)
+            if (record := self.quarantined(parent)) is not None:
+                raise IntegrityError(
+                    f"{ref}: parent {parent} is quarantined in {self.description} "
+                    f"({record.get('reason', 'no reason recorded')}); not publishing a version made from it"
+                )
         if self.exists(ref):
             return self._stored(ref, entries if same_content else None, "the files to commit")
+        _check_not_reserved(entries, f"the files of {ref}")
         present = self.backend.list_sizes(ref.prefix)
         missing = sorted(rel for rel, e in entries.items() if present.get(check_relpath(rel)) != e["size"])
         if missing:
@@ -160,15 +211,17 @@ class ArtifactStore:
                 f"{ref}: {len(missing)} file(s) not in {self.description} at their recorded size "
                 f"({', '.join(missing[:5])}); not publishing it"
             )
-        manifest = Manifest(
-            ref,
-            dict(entries),
-            dict(metadata or {}),
-            list(parents),
-            code_version(),
-            datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-        )
+        manifest = Manifest(ref, dict(entries), dict(metadata or {}), list(parents), code_version(), _now())
+        healing = self.quarantined(ref) is not None
+        if healing and (problems := self.verify(manifest)):
+            raise IntegrityError(
+                f"{ref} stays quarantined: its stored bytes do not match the files to commit "
+                f"({'; '.join(problems[:3])})"
+            )
         self.backend.put_bytes(f"{ref.prefix}/{MANIFEST}", manifest.to_json().encode())
+        if healing:
+            self.backend.delete(f"{ref.prefix}/{QUARANTINED}")
+            log.info("%s was quarantined; committed again with verified bytes, it is valid again", ref)
         log.info("published %s (%d files) to %s", ref, len(entries), self.description)
         return manifest
 
@@ -213,7 +266,7 @@ class ArtifactStore:
         raise NotFound(f"no version of {kind}/{name} in {self.description}")
 
     def ls(self, kind: str | None = None) -> Iterator[Manifest]:
-        kinds = [kind] if kind else self.backend.list_prefixes("")
+        kinds = [kind] if kind else [k for k in self.backend.list_prefixes("") if not k.startswith("_")]
         for k in kinds:
             check_part(k, "kind")
             for name in self.backend.list_prefixes(k):
@@ -275,22 +328,201 @@ class ArtifactStore:
         return data
 
     def lineage(self, ref: Ref) -> dict:
-        """The version and, recursively, the versions it was made from."""
-        m = self.manifest(ref)
+        """The version and, recursively, the versions it was made from. A parent not in the store
+        is `missing`; a quarantined one (or ref itself) is `quarantined`, with its reason and time."""
+        try:
+            m, node = self.manifest(ref), {}
+        except NotFound:
+            record = self.quarantined(ref)
+            if record is None:
+                raise
+            node = {"quarantined": True, "reason": record.get("reason"), "quarantined_at": record.get("at")}
+            if not record.get("manifest"):
+                return {"ref": str(ref), **node, "parents": []}
+            m = Manifest.from_json(ref, json.dumps(record["manifest"]).encode())
         parents = []
         for p in m.parents:
             try:
                 parents.append(self.lineage(Ref.parse(p)))
             except NotFound:
                 parents.append({"ref": p, "missing": True, "parents": []})
-        return {"ref": str(m.ref), "created": m.created, "code_version": m.code_version, "parents": parents}
+        return {"ref": str(m.ref), "created": m.created, "code_version": m.code_version, **node, "parents": parents}
+
+    # -- damage: verify, quarantine ---------------------------------------------------------------
+
+    def verify(self, ref: Ref | Manifest) -> list[str]:
+        """Re-hash a version's stored objects against its manifest (each streamed; nothing is
+        kept): one line per problem (missing, wrong size, wrong sha256); [] when it verifies."""
+        manifest = ref if isinstance(ref, Manifest) else self.manifest(ref)
+        prefix = manifest.ref.prefix
+        present = self.backend.list_sizes(prefix)
+        problems = []
+        for rel, entry in sorted(manifest.files.items()):
+            key = f"{prefix}/{rel}"
+            if rel not in present:
+                problems.append(f"{key}: missing")
+            elif present[rel] != entry["size"]:
+                problems.append(f"{key}: {present[rel]} bytes, the manifest says {entry['size']}")
+            else:
+                try:
+                    got, size = self.backend.digest(key)
+                except NotFound:
+                    problems.append(f"{key}: missing")
+                    continue
+                if (got, size) != (entry["sha256"], entry["size"]):
+                    problems.append(f"{key}: sha256 {got[:12]}, the manifest says {entry['sha256'][:12]}")
+        return problems
+
+    def quarantine(self, ref: Ref, reason: str) -> dict:
+        """Take a version out of the store's view, keeping its bytes: its manifest moves to
+        `<prefix>/manifest.quarantined.json` as {"ref", "reason", "at", "manifest"} (the record
+        is written before the manifest is deleted: a crash between leaves the version visible).
+        Idempotent; NotFound when the version is neither stored nor quarantined."""
+        try:
+            manifest = self.manifest(ref)
+        except NotFound:
+            if (record := self.quarantined(ref)) is not None:
+                return record
+            raise NotFound(f"no version {ref} in {self.description} to quarantine") from None
+        except IntegrityError as e:  # an unreadable manifest: keep what is there
+            manifest, reason = None, f"{reason}; {e}"
+        record = {
+            "ref": str(ref),
+            "reason": reason,
+            "at": _now(),
+            "manifest": json.loads(manifest.to_json()) if manifest else None,
+        }
+        if record["manifest"] is None:
+            record["manifest_bytes"] = self.backend.get_bytes(f"{ref.prefix}/{MANIFEST}").decode(errors="replace")
+        self.backend.put_bytes(f"{ref.prefix}/{QUARANTINED}", json.dumps(record, indent=2, sort_keys=True).encode())
+        self.backend.delete(f"{ref.prefix}/{MANIFEST}")
+        log.warning("quarantined %s in %s: %s", ref, self.description, reason)
+        return record
+
+    def quarantined(self, ref: Ref) -> dict | None:
+        """The quarantine record of a version that is quarantined now (record there, no valid
+        manifest); None otherwise."""
+        try:
+            record = json.loads(self.backend.get_bytes(f"{ref.prefix}/{QUARANTINED}"))
+        except NotFound:
+            return None
+        except ValueError:
+            record = {"ref": str(ref), "reason": "unreadable quarantine record", "manifest": None}
+        return None if self.exists(ref) else record
+
+    def check(self, ref: Ref) -> list[str]:
+        """verify, and quarantine the version when its bytes do not verify; the problems."""
+        problems = self.verify(ref)
+        if problems:
+            self.quarantine(ref, f"does not verify: {'; '.join(problems[:5])}")
+        return problems
+
+    def verify_lineage(self, ref: Ref) -> dict[str, list[str]]:
+        """Each version of ref's lineage that does not verify, with its problems: missing from the
+        store, quarantined, or bytes that do not match; {} when all of it verifies."""
+        bad: dict[str, list[str]] = {}
+        seen: set[str] = set()
+
+        def walk(node: dict) -> None:
+            if node["ref"] in seen:
+                return
+            seen.add(node["ref"])
+            if node.get("missing"):
+                bad[node["ref"]] = ["missing from the store"]
+            elif node.get("quarantined"):
+                bad[node["ref"]] = [f"quarantined: {node.get('reason')}"]
+            elif problems := self.verify(Ref.parse(node["ref"])):
+                bad[node["ref"]] = problems
+            for parent in node["parents"]:
+                walk(parent)
+
+        walk(self.lineage(ref))
+        return bad
+
+    # -- pins, dependants, deletion --------------------------------------------------------------
+
+    def pin(self, ref: Ref, reason: str = "") -> None:
+        """Keep a version from retention (`<prefix>/manifest.pinned.json`); NotFound if not stored."""
+        if not self.exists(ref) and self.quarantined(ref) is None:
+            raise NotFound(f"no version {ref} in {self.description} to pin")
+        self.backend.put_bytes(f"{ref.prefix}/{PINNED}", json.dumps({"reason": reason, "at": _now()}).encode())
+
+    def unpin(self, ref: Ref) -> None:
+        self.backend.delete(f"{ref.prefix}/{PINNED}")
+
+    def is_pinned(self, ref: Ref) -> bool:
+        try:
+            self.backend.get_bytes(f"{ref.prefix}/{PINNED}")
+            return True
+        except NotFound:
+            return False
+
+    def dependants(self, ref: Ref, manifests: Iterable[Manifest] | None = None) -> list[Ref]:
+        """Every version whose lineage names ref (through its parents, theirs, ...), each after
+        every version of the list it was made from; from one pass over the store's manifests (or
+        the given ones)."""
+        parents_of: dict[str, list[str]] = {}
+        children: dict[str, list[str]] = {}
+        refs: dict[str, Ref] = {}
+        for m in self.ls() if manifests is None else manifests:
+            refs[str(m.ref)] = m.ref
+            parents_of[str(m.ref)] = list(m.parents)
+            for p in m.parents:
+                children.setdefault(p, []).append(str(m.ref))
+        reached, stack = set(), [str(ref)]
+        while stack:
+            for child in children.get(stack.pop(), []):
+                if child not in reached and child != str(ref):
+                    reached.add(child)
+                    stack.append(child)
+        ordered, done = [], {str(ref)}
+        while len(ordered) < len(reached):  # parents first (Kahn's order, by name among equals)
+            ready = sorted(r for r in reached - done if all(p not in reached or p in done for p in parents_of[r]))
+            if not ready:  # a cycle of parents (no pipeline writes one): the rest by name
+                ready = sorted(reached - done)
+            ordered += ready
+            done.update(ready)
+        return [refs[r] for r in ordered]
+
+    def holds(self, ref: Ref) -> bool:
+        """Whether any object of the version is stored (valid, quarantined or a partial upload)."""
+        return bool(self.backend.list_sizes(ref.prefix))
+
+    def delete(self, ref: Ref) -> int:
+        """Remove a version: its manifest first (so a half-deleted version is invisible), then
+        every object under its prefix, every object version of them on a versioned bucket. How
+        many objects (object versions) went; NotFound when nothing of it is stored."""
+        if not self.holds(ref):
+            raise NotFound(f"no version {ref} in {self.description}")
+        removed = self.backend.purge(f"{ref.prefix}/{MANIFEST}")
+        removed += self.backend.purge(ref.prefix)
+        log.info("deleted %s from %s (%d objects)", ref, self.description, removed)
+        return removed
+
+    def remove(self, ref: Ref, with_dependants: bool = False) -> list[Ref]:
+        """Delete ref; with_dependants: and every version whose lineage names it, each before the
+        versions it was made from (a crash half-way leaves no lineage naming a deleted version). Without it, a version
+        some lineage names is refused: HasDependants lists them. What was removed, in order."""
+        dependants = self.dependants(ref)
+        if dependants and not with_dependants:
+            raise HasDependants(ref, dependants)
+        if not self.holds(ref):
+            raise NotFound(f"no version {ref} in {self.description}")
+        removed = []
+        for r in [*reversed(dependants), ref]:
+            if self.holds(r):
+                self.delete(r)
+                removed.append(r)
+        return removed
 
 
-def open_store(cfg: StoreConfig) -> ArtifactStore:
-    """The store the config names; MinIO keys come only from the environment."""
+def open_store(cfg: StoreConfig, create: bool = True) -> ArtifactStore:
+    """The store the config names; MinIO keys come only from the environment. create=False (the
+    `artifacts` commands): a store that does not exist is a StoreError naming store.root (or
+    store.bucket) and the path, not an empty listing."""
     if cfg.backend == StoreBackend.local:
-        store = ArtifactStore(LocalBackend(Path(cfg.root)), Path(cfg.cache_dir))
+        store = ArtifactStore(LocalBackend(Path(cfg.root), create), Path(cfg.cache_dir))
     else:
-        store = ArtifactStore(MinioBackend.from_config(cfg), Path(cfg.cache_dir))
+        store = ArtifactStore(MinioBackend.from_config(cfg, create), Path(cfg.cache_dir))
     store.config = cfg  # what s3:// data sources connect with: the same endpoint and keys
     return store

@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+# beside a version's files: its manifest moved aside with why and when (a quarantined version does
+# not exist until it is committed again), and a pin (retention never deletes a pinned version)
+QUARANTINED = "manifest.quarantined.json"
+PINNED = "manifest.pinned.json"
+RESERVED = (MANIFEST, QUARANTINED, PINNED)  # file names no artifact may have at its top level
+LEASES = "_leases"  # top-level prefix of the leases (lease.py); store-internal prefixes start with "_"
 # what the stages publish: tokenize (the dataset, its per-shard token blocks, the tokenizer trained
 # once before a fanned-out tokenization), train (checkpoints, the model, the run's record), preflight, evaluate
 KINDS = ("dataset", "shard", "tokenizer", "checkpoint", "model", "run", "preflight", "eval")
