@@ -83,13 +83,13 @@ def test_a_waiting_holder_gets_the_lease_when_it_is_released(store):
 
 
 def test_hold_renews_every_third_of_the_ttl_and_releases_on_exit(store):
-    lease = Lease(store, NAME, "node-a:1", ttl_s=1.2)
+    lease = Lease(store, NAME, "node-a:1", ttl_s=3.0)
     with lease.hold():
         first_expiry = record(store)["expires_at"]
-        time.sleep(2.0)  # past the first expiry: only the heartbeat keeps it
+        time.sleep(4.0)  # past the first expiry: only the heartbeat keeps it
         assert record(store)["expires_at"] > first_expiry + 0.5
         with pytest.raises(LeaseHeld, match="held by node-a:1"):
-            Lease(store, NAME, "node-b:2", ttl_s=1.2).acquire()
+            Lease(store, NAME, "node-b:2", ttl_s=3.0).acquire()
         lease.check()
     assert record(store)["released"] is True and record(store)["token"] == lease.token
     if is_s3(store):  # every heartbeat wrote an object version; release drops the old ones
@@ -139,7 +139,7 @@ class CheckApart:
     def __init__(self, inner, callers: int):
         self.inner, self.description = inner, inner.description
         self.barrier = threading.Barrier(callers)
-        self.settle_s = 0.3
+        self.settle_s = 1.0  # far longer than the two writes are apart
 
     def put_bytes_if_absent(self, key, data):
         try:

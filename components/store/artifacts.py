@@ -191,9 +191,13 @@ class ArtifactStore:
         """Make a version visible: write its manifest, once every listed file is in the store at
         its recorded size (one listing). A missing part is an error naming it; nothing is written.
 
-        A quarantined parent is refused (IntegrityError naming it). Committing a quarantined
+        A new version made from a quarantined parent is refused (IntegrityError naming it). Committing a quarantined
         version again makes it valid once every file's stored bytes verify against `entries`
         (streamed, each hashed); the quarantine record is then removed."""
+        for p in parents:
+            Ref.parse(p)
+        if self.exists(ref):
+            return self._stored(ref, entries if same_content else None, "the files to commit")
         for p in parents:
             parent = Ref.parse(p)
             if (record := self.quarantined(parent)) is not None:
@@ -201,8 +205,6 @@ class ArtifactStore:
                     f"{ref}: parent {parent} is quarantined in {self.description} "
                     f"({record.get('reason', 'no reason recorded')}); not publishing a version made from it"
                 )
-        if self.exists(ref):
-            return self._stored(ref, entries if same_content else None, "the files to commit")
         _check_not_reserved(entries, f"the files of {ref}")
         present = self.backend.list_sizes(ref.prefix)
         missing = sorted(rel for rel, e in entries.items() if present.get(check_relpath(rel)) != e["size"])

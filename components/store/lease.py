@@ -165,8 +165,10 @@ class Lease:
                 back = self.backend.get_bytes(self.key)
             except NotFound:
                 return {}
-            if back != mine:
-                return self._decode(back) or {}
+            if back != mine:  # another writer's bytes won: theirs if live, else look again
+                other = self._decode(back)
+                live = other and not other.get("released") and float(other["expires_at"]) > self.clock()
+                return other if live else {}
         self._raw = mine
         self.expires_at, self._acquired = json.loads(mine)["expires_at"], json.loads(mine)["acquired"]
         self.lost = None
