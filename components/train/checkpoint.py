@@ -40,6 +40,7 @@ from components.checkpoint_format import (
     write_index,
 )
 from components.store import ArtifactStore, Ref, StoreError
+from components.store.retention import apply_retention
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class Checkpointer:
         try:  # whatever fails here, this rank still joins the gather below: no peer waits forever
             ref = Ref("checkpoint", t.model_name, version_of(t.identity, final))
             mine = own_files(final, self.rank) + ([INDEX] if self.rank == 0 else [])
-            if not t.store.exists(ref):
+            if self._needs_upload(ref):
                 t.store.upload(ref, {name: final / name for name in mine})
         except Exception as e:
             error = f"rank {self.rank}: {e}"
@@ -205,10 +206,27 @@ class Checkpointer:
             except Exception as e:
                 self.publish_errors.append(f"{final.name}: {e}")
                 log.warning("publishing checkpoint %s failed: %s", final.name, e)
+            try:  # the store keeps the newest `keep` of this identity and whatever a lineage names
+                apply_retention(t.store, t.model_name, t.identity, self.keep)
+            except StoreError as e:
+                log.warning("checkpoint retention in %s failed: %s", t.store.description, e)
         self.prune()
 
+    def _needs_upload(self, ref: Ref) -> bool:
+        """Whether the version must be uploaded: it is not in the store, or (every rank agrees,
+        by rank 0's look) its stored bytes do not verify, and rank 0 has quarantined it."""
+        verdict = [None]
+        if self.rank == 0:
+            store = self.target.store
+            verdict = [not store.exists(ref)]
+            if not verdict[0] and (problems := store.verify(ref)):
+                store.quarantine(ref, "; ".join(problems[:3]))  # the rerun's bytes replace the dead ones
+                verdict = [True]
+        dist.broadcast_object_list(verdict, src=0, group=self._pg)
+        return bool(verdict[0])
+
     def prune(self) -> None:
-        """Keep this node's newest `keep` checkpoints (the store keeps them all)."""
+        """Keep this node's newest `keep` checkpoints (the store keeps its own, by retention)."""
         if self.local_leader:
             for old in local_checkpoints(self.root)[self.keep :]:
                 shutil.rmtree(old, ignore_errors=True)

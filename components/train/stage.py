@@ -13,6 +13,7 @@ from pathlib import Path
 from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_dict, drop_none
 from components.launcher import Launch, replica_store, run_app
 from components.store import ArtifactStore, Manifest, Ref
+from components.store.lease import Lease, default_holder
 from components.train.prelaunch import check_inputs
 from components.train.spec import TrainSpec, WorkerResult
 
@@ -43,6 +44,9 @@ NOT_IDENTITY = {
     "activation_checkpointing",
     "ac_every_n_blocks",
 }
+
+
+LEASE_TTL_S = 120.0  # a driver lost without releasing its lease (OOM, node failure) blocks reruns this long
 
 
 @dataclass
@@ -131,7 +135,10 @@ def run_train(
         str(data_manifest.ref), model, train, cluster, store_cfg, exclude_nodes, cache_gb=cache_gb
     )
     log.info("training identity %s: run directory %s", identity, run_dir)
-    run_app(launch)
+    # one run per training identity per store: a second one fails at once, naming the holder
+    lease = Lease(store, identity, default_holder(launch.spec.launch_id), ttl_s=LEASE_TTL_S)
+    with lease.hold():
+        run_app(launch)
     # the store is the only channel back from the replicas: nothing is read from their disks
     record = store.fetch(store.manifest(Ref("run", identity, launch.spec.launch_id)))
     result = WorkerResult.from_json(json.loads((record / "result.json").read_text()))

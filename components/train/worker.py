@@ -519,6 +519,7 @@ def hand_back(job: Job, result: WorkerResult) -> None:
     # the version names the weights too: a rerun that trains other weights (a code change,
     # train.resume=never) publishes a new version instead of handing back the stored one
     digest = sha256_file(export / "model.safetensors")[:12]
+    heal_lineage(job.store, Ref("model", job.model_cfg.name, f"{job.identity}-{digest}"))
     keys = ("final_loss", "probe_loss", "probe_blocks", "steps", "precision", "float8_linear_count",
             "float8_linear_modules", "float8_cast_configs", "world", "wrapped_modules", "resumed_from",
             "start_step")  # fmt: skip
@@ -541,6 +542,19 @@ def hand_back(job: Job, result: WorkerResult) -> None:
         (record / "result.json").write_text(json.dumps(handed.to_json(), indent=2))
         shutil.copyfile(run_dir / "metrics.jsonl", record / "metrics.jsonl")
         job.store.publish("run", job.identity, job.spec.launch_id, record, parents=[str(model.ref)])
+
+
+def heal_lineage(store: ArtifactStore, ref: Ref) -> None:
+    """A stored version of these same weights whose parents are gone, quarantined or damaged (a
+    checkpoint this run trained again) is quarantined, so the publish after this names parents
+    that verify instead of handing back the stored version with its dead lineage."""
+    if not store.exists(ref):
+        return
+    parents = [Ref.parse(p) for p in store.manifest(ref).parents]
+    # a checkpoint parent is re-hashed (and quarantined if it does not verify): a dataset is not
+    dead = [str(p) for p in parents if not store.exists(p) or (p.kind == "checkpoint" and store.check(p))]
+    if dead:
+        store.quarantine(ref, f"its lineage names {', '.join(dead)}, gone or damaged")
 
 
 if __name__ == "__main__":

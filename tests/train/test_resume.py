@@ -86,9 +86,11 @@ def test_a_corrupted_stored_checkpoint_is_quarantined_and_the_rerun_heals_it(tra
     again = trainer.run(*SHORT)
     assert again.result.resumed_from == str(stored_steps(trainer, first.identity)[10].ref)
     assert again.result.start_step == 10
-    assert again.checkpoint_version == newest.ref.version  # the same weights, so the same content name
-    assert not trainer.store.verify(newest.ref)  # published again, with good bytes
-    assert same(weights(first), weights(again))
+    assert not trainer.store.exists(newest.ref) and trainer.store.quarantined(newest.ref)  # never resumed again
+    healed = stored_steps(trainer, first.identity)[20]
+    assert healed.ref != newest.ref and not trainer.store.verify(healed.ref)
+    assert same(weights(first), weights(again)) and again.model.ref == first.model.ref  # the same weights
+    assert f"checkpoint/tiny@{healed.ref.version}" in again.model.parents  # republished naming the good one
     for refs in lineage_refs(trainer.store.lineage(again.model.ref)):
         assert not trainer.store.verify(Ref.parse(refs)), refs
     verdict = run_validate(str(again.model.ref), defaults("eval"), trainer.store)
@@ -96,15 +98,18 @@ def test_a_corrupted_stored_checkpoint_is_quarantined_and_the_rerun_heals_it(tra
 
 
 def test_resume_never_over_a_damaged_stored_version_republishes_it(trainer):
-    """`train.resume=never` retrains the same weights; the stored version of its final checkpoint
-    is damaged, so publishing it replaces it instead of keeping the dead bytes."""
+    """`train.resume=never` retrains the same weights: the model version it hands back is the
+    stored one, whose lineage names a damaged checkpoint; that model is published again naming the
+    run's own good checkpoint."""
     first = trainer.run(*SHORT)
     newest = stored_steps(trainer, first.identity)[20]
     object_file = trainer.tmp / "store" / "checkpoint" / "tiny" / newest.ref.version / "__0_0.distcp"
     object_file.write_bytes(b"garbage")
     again = trainer.run(*SHORT, "train.resume=never")
-    assert again.result.resumed_from is None and again.checkpoint_version == newest.ref.version
-    assert not trainer.store.verify(newest.ref)
+    assert again.result.resumed_from is None
+    healed = stored_steps(trainer, first.identity)[20]
+    assert not trainer.store.verify(healed.ref) and trainer.store.quarantined(newest.ref)
+    assert f"checkpoint/tiny@{healed.ref.version}" in trainer.store.manifest(again.model.ref).parents
 
 
 def test_a_sweep_job_with_a_shorter_schedule_trains_its_own(trainer):
