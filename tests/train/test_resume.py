@@ -129,3 +129,31 @@ def test_a_sweep_job_with_a_shorter_schedule_trains_its_own(trainer):
     assert seeded.result.continued.startswith(f"resumed from checkpoint/tiny@{twelve.checkpoint_version} at step 12")
     assert trainer.store.manifest(seeded.model.ref).metadata["continued"] == seeded.result.continued
     assert f"checkpoint/tiny@{twelve.checkpoint_version}" in lineage_refs(trainer.store.lineage(seeded.model.ref))
+
+
+def test_two_runs_of_one_identity_against_one_store_one_trains_the_other_refuses(trainer):
+    """Started together: one holds the identity's lease in the store and trains; the other fails
+    at once with LeaseHeld naming the holder (its launch), before launching anything."""
+    import threading
+
+    from components.store.lease import LeaseHeld
+
+    outcomes: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            outcomes[i] = trainer.run(*SHORT)
+        except LeaseHeld as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    refused = [o for o in outcomes.values() if isinstance(o, LeaseHeld)]
+    trained = [o for o in outcomes.values() if not isinstance(o, LeaseHeld)]
+    assert len(refused) == 1 and len(trained) == 1, outcomes
+    launches = [m.ref.version for m in trainer.store.versions("run", trained[0].identity)]
+    assert len(launches) == 1 and launches[0] in refused[0].holder  # the holder is the run that trained
+    assert f"training identity {trained[0].identity} is held by" in str(refused[0])
