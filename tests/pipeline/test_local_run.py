@@ -52,12 +52,15 @@ def test_sweep_runs_every_job_tokenizes_once_and_reruns_only_what_changed(in_tmp
     assert re.search(r"^\s+ok [\d.]+ s, dataset/kjv@\w+: .* found in the store", out, re.M)
     assert executed(logs).count("train") == 2 and executed(logs).count("validate") == 2
     assert executed(logs).count("evaluate") == 2 and executed(logs).count("preflight") == 2
-    header = "| job | overrides | model | train loss | val loss | val perplexity | tokens/s | wall s | reused |"
+    header = (
+        "| job | overrides | model | started | train loss | val loss | val perplexity | tokens/s | wall s | reused |"
+    )
     assert header in out and (sweep / "sweep.md").read_text().startswith(header)
     table = [line.split(" | ") for line in out.splitlines() if re.match(r"\| [01] \|", line)]
     assert len(table) == 2 and "train.lr=0.001" in table[0][1] and "train.lr=0.003" in table[1][1]
     for row in table:
-        assert re.fullmatch(r"[0-9a-f]{16}-\w+", row[2]) and float(row[3]) > 0 and row[-1] == "no |"
+        assert re.fullmatch(r"[0-9a-f]{16}-\w+", row[2]) and row[3] == "fresh" and float(row[4]) > 0
+        assert row[-1] == "no |"
     assert table[0][2] != table[1][2]  # two learning rates, two models
     assert main(["artifacts", "ls", "dataset"]) == 0
     assert len([ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("dataset/")]) == 1
