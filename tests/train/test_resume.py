@@ -128,6 +128,10 @@ def test_a_sweep_job_with_a_shorter_schedule_trains_its_own(trainer):
     assert seeded.result.start_step == 12
     assert seeded.result.continued.startswith(f"resumed from checkpoint/tiny@{twelve.checkpoint_version} at step 12")
     assert trainer.store.manifest(seeded.model.ref).metadata["continued"] == seeded.result.continued
+    from components.evaluate.report import identity_rows  # what the eval report's header says
+
+    rows = [identity_rows(trainer.store.manifest(r.model.ref), trainer.dataset, None, "now") for r in (*jobs, seeded)]
+    assert [r["started"] for r in rows[:2]] == ["fresh", "fresh"] and rows[2]["started"] == seeded.result.continued
     assert f"checkpoint/tiny@{twelve.checkpoint_version}" in lineage_refs(trainer.store.lineage(seeded.model.ref))
 
 
