@@ -2,8 +2,19 @@
 checkpoints, logging; launched through TorchX) vs a bare PyTorch DDP loop on the same model,
 data, precision, world size (2 ranks on this host) and threads per process.
 
-Both sides are measured the same way: steady-state tokens/s from per-step timestamps on rank 0
-(the first quarter of the steps dropped as warm-up), over 2 ranks x 1 process. The runs are
+Both sides are measured the same way: steady-state tokens/s from per-step timestamps on rank 0,
+over 2 ranks x 1 process, and both checkpoint on the same schedule (every CHECKPOINT_INTERVAL =
+STEPS/4 steps and at the last) in the same mode (`train.checkpoint_async`: the tiny preset
+saves synchronously): liftoff through its Checkpointer (DCP shards, rank state, hashes,
+index, the store publish), the bare loop with a plain DCP save of model and optimizer to
+local disk (an async one on a gloo group of its own, as liftoff's, each waiting for the one
+before). Periodic validation is off on both sides (`train.val_interval=0`; the bare loop has
+none). A save at step s blocks between step s's timestamp and step s+1's, so the
+timed window runs from step CHECKPOINT_INTERVAL's timestamp to step STEPS's: the first
+interval is dropped as warm-up, and the window holds whole checkpoint intervals, each with its
+save (everything that blocks, on both sides: the saves at the window's start and inside it; the
+last step's save and validation lie after it on both sides, as the first interval's steps lie
+before it). Until 2026-12-02 liftoff saved only at the last step, after the window. The runs are
 interleaved (ours, bare, ours, bare, ...) RUNS times; the ratio is best / best and the spread of
 the per-pair ratios is reported, because single runs on a shared 2-core VM move by +-10%.
 Target ratio >= 0.95.
@@ -26,6 +37,8 @@ from benchmarks.common import CORPUS, report
 
 STEPS = int(os.environ.get("BENCH_TRAIN_STEPS", "40"))
 RUNS = int(os.environ.get("BENCH_TRAIN_RUNS", "3"))
+CHECKPOINT_INTERVAL = max(1, STEPS // 4)
+WINDOW = (CHECKPOINT_INTERVAL, STEPS // CHECKPOINT_INTERVAL * CHECKPOINT_INTERVAL)  # timed: steps in (start, end]
 SHAPE = [
     "model.hidden_size=256",
     "model.num_layers=4",
@@ -35,7 +48,8 @@ SHAPE = [
     "train.micro_batch_size=16",
     f"train.steps={STEPS}",
     "train.warmup_steps=2",
-    f"train.checkpoint_interval={STEPS}",
+    f"train.checkpoint_interval={CHECKPOINT_INTERVAL}",
+    "train.val_interval=0",  # the bare loop validates nothing
     "train.log_interval=10",
     "train.resume=never",
     # the bare loop's setting: 2 ranks x 1 process, fp32, no activation checkpointing
@@ -51,6 +65,8 @@ def bare_loop(store_root: str, cache_dir: str, dataset: str) -> None:
     train split as liftoff's workers do, through `open_split` (shards fetched from the store into
     its own cache, verified, prefetched), so the data path is not part of the difference."""
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.nn.parallel import DistributedDataParallel
 
     from components.config import compose, defaults
@@ -69,24 +85,36 @@ def bare_loop(store_root: str, cache_dir: str, dataset: str) -> None:
     sampler = BlockSampler(blocks, cfg.train.micro_batch_size, 1, world, rank, cfg.train.seed)
     model = DistributedDataParallel(build_model(cfg.model, 1024, cfg.train.seed), broadcast_buffers=False)
     opt = build_optimizer(model, cfg.train)
-    stamps = []
-    for step in range(STEPS):
-        batch = sampler.batch(step * sampler.samples_per_micro_batch, torch.device("cpu"))
+    save_group = dist.new_group(backend="gloo") if cfg.train.checkpoint_async else None  # off DDP's stream
+    stamps, saving = {}, None  # step -> its timestamp; the async save in flight
+    for step in range(1, STEPS + 1):
+        batch = sampler.batch((step - 1) * sampler.samples_per_micro_batch, torch.device("cpu"))
         logits = model(input_ids=batch[:, :-1]).logits
         F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
+        stamps[step] = time.perf_counter()
+        if step % CHECKPOINT_INTERVAL == 0 or step == STEPS:  # liftoff's schedule, after the step's stamp
+            if saving is not None:
+                saving.result()
+            state = dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True))
+            if save_group is None:
+                dcp.save(state, checkpoint_id=f"{cache_dir}/bare-{step}")
+            else:
+                saving = dcp.async_save(state, checkpoint_id=f"{cache_dir}/bare-{step}", process_group=save_group)
+    if saving is not None:
+        saving.result()
     if rank == 0:
         print(json.dumps({"bare_tokens_per_s": steady_rate(stamps, batch[:, 1:].numel() * world)}))
     blocks.close()
     dist.destroy_process_group()
 
 
-def steady_rate(stamps: list[float], tokens_per_step: int) -> float:
-    first = STEPS // 4
-    return tokens_per_step * (len(stamps) - 1 - first) / (stamps[-1] - stamps[first])
+def steady_rate(stamps: dict[int, float], tokens_per_step: int) -> float:
+    """tokens/s over the steps in WINDOW from {step: the time it ended}: whole checkpoint intervals."""
+    start, end = WINDOW
+    return tokens_per_step * (end - start) / (stamps[end] - stamps[start])
 
 
 def run_bare(store_root: str, cache_dir: str, dataset: str) -> float:
@@ -123,7 +151,7 @@ def main() -> None:
             )
             steps, _ = read_records(result.metrics)  # rank 0's metrics.jsonl, as the store hands it back
             tokens = cfg.train.micro_batch_size * cfg.data.seq_len * world
-            ours_runs.append(steady_rate([s["time"] for s in steps], tokens))
+            ours_runs.append(steady_rate({s["step"]: s["time"] for s in steps}, tokens))
             bare_runs.append(run_bare(f"{tmp}/store", f"{tmp}/bare-cache-{attempt}", str(ds.manifest.ref)))
     ours, bare = max(ours_runs), max(bare_runs)
     pair_ratios = [o / b for o, b in zip(ours_runs, bare_runs, strict=True)]
@@ -136,6 +164,9 @@ def main() -> None:
         "tokens/s",
         world=world,
         runs=RUNS,
+        checkpoint_interval=CHECKPOINT_INTERVAL,
+        checkpoint_async=cfg.train.checkpoint_async,
+        window_steps=list(WINDOW),
         pair_ratio_min=min(pair_ratios),
         pair_ratio_max=max(pair_ratios),
     )
