@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from components.config import PreflightConfig
 from components.distributed import init_distributed
@@ -73,6 +74,7 @@ def measure_device(cfg: PreflightConfig, spec: PreflightSpec, rank: int, device:
     return m
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
     spec = worker_spec(argv, PreflightSpec)
     cfg = spec.preflight

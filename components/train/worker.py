@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from components import checkpoint_format
 from components.config import ModelConfig, TrainConfig, as_plain_dict, drop_none
@@ -456,6 +457,7 @@ def install_plugin(job: Job, state: TrainState) -> None:
         importlib.import_module(name).install(job, state)
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
     job = build_job(worker_spec(argv, TrainSpec))
     state = TrainState()
