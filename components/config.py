@@ -2,8 +2,9 @@
 
 Every default lives in `conf/*.yaml`: each field here is `MISSING`, so a key that `conf/`
 does not set fails at compose time. Types are checked by OmegaConf when Hydra composes;
-each group's `check()` holds the rules that types cannot express (named by the key they
-judge), and `check_config` runs them all.
+`BOUNDS` holds the range of every numeric key, one table; each group's `check()` holds the
+rules between keys that types cannot express (named by the key they judge), and
+`check_config` runs them all.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import re
 import types
 import typing
@@ -85,13 +87,6 @@ class DataConfig:
                 f"pin data.hub_name={self.hub_name} to a commit of the hub repo, its 40-hex sha (a branch or tag "
                 f"moves), got {self.hub_revision}",
             ),
-            ("data.shards", self.shards >= 1, f"must be >= 1, got {self.shards}"),
-            ("data.parallelism", self.parallelism >= 1, f"must be >= 1, got {self.parallelism}"),
-            ("data.cache_gb", self.cache_gb > 0, f"must be > 0, got {self.cache_gb}"),
-            ("data.seq_len", self.seq_len >= 2, f"must be >= 2, got {self.seq_len}"),
-            ("data.val_fraction", 0.0 < self.val_fraction < 1.0, f"must be in (0, 1), got {self.val_fraction}"),
-            ("data.num_proc", self.num_proc >= 1, f"must be >= 1, got {self.num_proc}"),
-            ("data.min_chars", self.min_chars >= 1, f"must be >= 1, got {self.min_chars}"),
         ]
         if model is not None:  # blocks longer than the model's positions cannot train
             ok = self.seq_len <= model.max_seq_len
@@ -118,12 +113,9 @@ class TokenizerConfig:
     sample_mb: int = MISSING  # the BPE trains once, on the first sample_mb of training documents
 
     def check(self) -> list[str]:
-        ok = self.vocab_size >= 260
         pinned = not from_hub(self) or is_commit(self.revision)
         return failed(
             [
-                ("tokenizer.vocab_size", ok, f"must be >= 260 (256 bytes + special tokens), got {self.vocab_size}"),
-                ("tokenizer.sample_mb", self.sample_mb >= 1, f"must be >= 1, got {self.sample_mb}"),
                 (
                     "tokenizer.revision",
                     pinned,
@@ -149,19 +141,16 @@ class ModelConfig:
 
     def check(self) -> list[str]:
         heads, kv = self.num_heads, self.num_kv_heads
+        if heads < 1 or kv < 1:
+            return []  # out of BOUNDS, which problems() reports (and then skips these rules)
         return failed([
-            ("model.vocab_size", self.vocab_size is None or self.vocab_size >= 1,
-             f"must be >= 1, got {self.vocab_size}"),
-            ("model.num_heads", heads >= 1, f"must be >= 1, got {heads}"),
-            ("model.hidden_size", heads < 1 or self.hidden_size % heads == 0,
+            ("model.hidden_size", self.hidden_size % heads == 0,
              f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={heads}"),
-            ("model.num_kv_heads", kv >= 1 and heads % kv == 0,
+            ("model.num_kv_heads", heads % kv == 0,
              f"model.num_heads={heads} is not divisible by model.num_kv_heads={kv} "
              "(each kv head serves a whole group of query heads)"),
-            ("model.head_dim", heads < 1 or (self.hidden_size // heads) % 2 == 0,
+            ("model.head_dim", (self.hidden_size // heads) % 2 == 0,
              "hidden_size / num_heads must be even for rotary embeddings"),
-            ("model.num_layers", self.num_layers >= 1, f"must be >= 1, got {self.num_layers}"),
-            ("model.ffn_hidden_size", self.ffn_hidden_size >= 1, f"must be >= 1, got {self.ffn_hidden_size}"),
         ])  # fmt: skip
 
 
@@ -201,22 +190,12 @@ class TrainConfig:
     peak_tflops: float | None = MISSING  # device peak for MFU; None: preflight's measure
 
     def check(self) -> list[str]:
-        at_least_1 = ("steps", "micro_batch_size", "grad_accum_steps", "checkpoint_interval", "checkpoint_keep",
-                      "ac_every_n_blocks", "max_bad_steps")  # fmt: skip
-        return failed(
-            [(f"train.{k}", getattr(self, k) >= 1, f"must be >= 1, got {getattr(self, k)}") for k in at_least_1]
-            + [
-                ("train.warmup_steps", 0 <= self.warmup_steps < self.steps,
-                 f"{self.warmup_steps} must be >= 0 and < train.steps={self.steps}"),
-                ("train.lr", self.lr > 0, f"must be > 0, got {self.lr}"),
-                ("train.min_lr", 0 <= self.min_lr <= self.lr, f"{self.min_lr} must be in [0, train.lr={self.lr}]"),
-                ("train.grad_clip", self.grad_clip >= 0, f"must be >= 0 (0 disables), got {self.grad_clip}"),
-                ("train.val_interval", self.val_interval >= 0, f"must be >= 0 (0 disables), got {self.val_interval}"),
-                ("train.watchdog_timeout_s", self.watchdog_timeout_s > 0,
-                 f"must be > 0, got {self.watchdog_timeout_s}"),
-                ("train.resume", bool(self.resume.strip()), "must be auto, never or a checkpoint version"),
-            ]
-        )  # fmt: skip
+        return failed([
+            ("train.warmup_steps", 0 <= self.warmup_steps < self.steps,
+             f"{self.warmup_steps} must be >= 0 and < train.steps={self.steps}"),
+            ("train.min_lr", 0 <= self.min_lr <= self.lr, f"{self.min_lr} must be in [0, train.lr={self.lr}]"),
+            ("train.resume", bool(self.resume.strip()), "must be auto, never or a checkpoint version"),
+        ])  # fmt: skip
 
 
 @dataclass
@@ -236,8 +215,7 @@ class PreflightConfig:
     quarantine: bool = MISSING
 
     def check(self, cluster: ClusterConfig | None = None) -> list[str]:
-        safety = self.memory_safety
-        rules = [("preflight.memory_safety", 0 < safety <= 1, f"must be in (0, 1], got {safety}")]
+        rules = []
         if cluster is not None:  # the gate needs at least this many of the nodes the job asks for
             n, ok = self.min_healthy_nodes, 1 <= self.min_healthy_nodes <= cluster.nodes
             rules.append(("preflight.min_healthy_nodes", ok, f"{n} must be in [1, cluster.nodes={cluster.nodes}]"))
@@ -255,11 +233,7 @@ class EvalConfig:
     baseline: str | None = MISSING  # a model version in the store to compare against
 
     def check(self) -> list[str]:
-        return failed([
-            ("eval.batch_size", self.batch_size >= 1, f"must be >= 1, got {self.batch_size}"),
-            ("eval.val_blocks", self.val_blocks >= 0, f"must be >= 0, got {self.val_blocks}"),
-            ("eval.loss_tolerance", self.loss_tolerance > 0, f"must be > 0, got {self.loss_tolerance}"),
-        ])  # fmt: skip
+        return []  # every eval key is a range: BOUNDS
 
 
 @dataclass
@@ -289,10 +263,6 @@ class ClusterConfig:
             ("cluster.gpu_type", self.gpu_type is None or device(self.gpu_type) is not None,
              f"unknown {self.gpu_type!r}: one of {known}, or null (then preflight.device_memory_gb "
              "and train.peak_tflops)"),
-            ("cluster.nodes", self.nodes >= 1, f"must be >= 1, got {self.nodes}"),
-            ("cluster.procs_per_node", self.procs_per_node >= 1, f"must be >= 1, got {self.procs_per_node}"),
-            ("cluster.rdzv_port", 0 <= self.rdzv_port <= 65535, f"must be a port or 0, got {self.rdzv_port}"),
-            ("cluster.max_restarts", self.max_restarts >= 0, f"must be >= 0, got {self.max_restarts}"),
             ("cluster.image_pull_policy", self.image_pull_policy in PULL_POLICIES,
              f"must be one of {', '.join(PULL_POLICIES)}, got {self.image_pull_policy!r}"),
         ])  # fmt: skip
@@ -310,7 +280,7 @@ class StoreConfig:
     secret_name: str = MISSING  # on a cluster: the Kubernetes Secret holding the MinIO keys
 
     def check(self) -> list[str]:
-        return failed([("store.timeout_s", self.timeout_s > 0, f"must be > 0, got {self.timeout_s}")])
+        return []  # store.timeout_s is a range: BOUNDS
 
 
 @dataclass
@@ -325,12 +295,7 @@ class KfpConfig:
     wait_timeout_s: float = MISSING  # `liftoff submit --wait` gives up after this long
 
     def check(self) -> list[str]:
-        return failed(
-            [
-                ("kfp.pipeline_name", bool(self.pipeline_name.strip()), "must not be empty"),
-                ("kfp.wait_timeout_s", self.wait_timeout_s > 0, f"must be > 0, got {self.wait_timeout_s}"),
-            ]
-        )
+        return failed([("kfp.pipeline_name", bool(self.pipeline_name.strip()), "must not be empty")])
 
 
 @dataclass
@@ -370,14 +335,130 @@ def failed(rules: list[tuple[str, bool, str]]) -> list[str]:
     return [message if f"{key}=" in message else f"{key}: {message}" for key, holds, message in rules if not holds]
 
 
-def problems(groups: dict[str, Any]) -> list[str]:
-    """Every group's own rules, plus the rules that read a second group when both are here."""
+# The range of every numeric key, in one table: `>= a`, `> a`, or an interval `[a, b)` (any
+# of `[ ( ) ]`), with an optional note. A float must be finite as well (OmegaConf reads `inf`
+# and `nan` as floats: `train.lr=inf` would reach training and fail there), None passes an
+# optional key, and a list's items and a dict's values are each held to the bound. Rules
+# between keys (warmup < steps, heads divisible by kv heads) stay in each group's check();
+# a test asserts every numeric field is here or in NOT_BOUNDED.
+BOUNDS: dict[str, str | tuple[str, str]] = {
+    "data.min_chars": ">= 1",
+    "data.max_doc_bytes": ">= 1",
+    "data.val_fraction": "(0, 1)",
+    "data.seq_len": ">= 2",
+    "data.num_proc": ">= 1",
+    "data.shards": ">= 1",
+    "data.parallelism": ">= 1",
+    "data.cache_gb": "> 0",
+    "tokenizer.vocab_size": (">= 260", "256 bytes + special tokens"),
+    "tokenizer.min_frequency": ">= 0",
+    "tokenizer.sample_mb": ">= 1",
+    "model.vocab_size": ">= 1",
+    "model.hidden_size": ">= 1",
+    "model.num_layers": ">= 1",
+    "model.num_heads": ">= 1",
+    "model.num_kv_heads": ">= 1",
+    "model.ffn_hidden_size": ">= 1",
+    "model.max_seq_len": ">= 1",
+    "model.rope_theta": "> 0",
+    "train.ac_every_n_blocks": ">= 1",
+    "train.micro_batch_size": ">= 1",
+    "train.grad_accum_steps": ">= 1",
+    "train.steps": ">= 1",
+    "train.lr": "> 0",
+    "train.warmup_steps": ">= 0",
+    "train.min_lr": ">= 0",
+    "train.weight_decay": ">= 0",
+    "train.beta1": "[0, 1)",  # torch's Adam refuses any other
+    "train.beta2": "[0, 1)",
+    "train.grad_clip": (">= 0", "0 disables"),
+    "train.seed": ">= 0",  # numpy's SeedSequence takes no negative seed
+    "train.checkpoint_interval": ">= 1",
+    "train.checkpoint_keep": ">= 1",
+    "train.log_interval": ">= 1",
+    "train.val_interval": (">= 0", "0 disables"),
+    "train.max_bad_steps": ">= 1",
+    "train.loss_spike_factor": ("> 1", "times the running median loss"),
+    "train.straggler_interval": ">= 1",
+    "train.straggler_zscore": "> 0",
+    "train.watchdog_timeout_s": "> 0",
+    "train.peak_tflops": "> 0",
+    "preflight.gemm_size": ">= 1",
+    "preflight.gemm_iters": ">= 1",
+    "preflight.membw_mb": ">= 1",
+    "preflight.membw_mb_gpu": ">= 1",
+    "preflight.allreduce_sizes_mb": "> 0",
+    "preflight.allreduce_sizes_mb_gpu": "> 0",
+    "preflight.read_probe_mb": ">= 1",
+    "preflight.zscore_threshold": "> 0",
+    "preflight.floors": ">= 0",
+    "preflight.min_healthy_nodes": ">= 1",
+    "preflight.memory_safety": "(0, 1]",
+    "preflight.device_memory_gb": "> 0",
+    "eval.val_blocks": (">= 0", "0 = the whole val split"),
+    "eval.batch_size": ">= 1",
+    "eval.loss_tolerance": "> 0",
+    "eval.max_new_tokens": ">= 1",
+    "cluster.nodes": ">= 1",
+    "cluster.procs_per_node": ">= 1",
+    "cluster.cpu": ">= 1",
+    "cluster.gpu": ">= 0",
+    "cluster.mem_mb": ">= 1",
+    "cluster.rdzv_port": ("[0, 65535]", "0: a free port per job"),
+    "cluster.max_restarts": ">= 0",
+    "store.timeout_s": "> 0",
+    "kfp.wait_timeout_s": "> 0",
+}
+NOT_BOUNDED = {"data.split_seed": "any int keys the split's hash"}
+
+_BOUND = re.compile(r"(?P<op>>=?) (?P<low>\S+)|(?P<lb>[\[(])(?P<a>\S+), (?P<b>\S+)(?P<rb>[\])])")
+
+
+def _within(value: float, bound: str) -> bool:
+    m = _BOUND.fullmatch(bound)
+    if m is None:
+        raise ValueError(f"not a bound: {bound!r}")
+    if m["op"]:
+        return value >= float(m["low"]) if m["op"] == ">=" else value > float(m["low"])
+    a, b = float(m["a"]), float(m["b"])
+    return (a <= value if m["lb"] == "[" else a < value) and (value <= b if m["rb"] == "]" else value < b)
+
+
+def out_of_bounds(name: str, group: Any) -> list[str]:
+    """`key: must be ..., got ...` for each of one group's values outside its BOUNDS entry."""
     found = []
-    for name, group in groups.items():
+    for f in dataclasses.fields(group):
+        key, value = f"{name}.{f.name}", getattr(group, f.name)
+        if key not in BOUNDS or value is None:
+            continue
+        bound, note = BOUNDS[key] if isinstance(BOUNDS[key], tuple) else (BOUNDS[key], "")
+        if isinstance(value, dict):
+            items = [(f"{key}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            items = [(f"{key}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            items = [(key, value)]
+        for where, v in items:
+            finite = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            if not finite or not _within(v, bound):
+                what = bound if bound[0] in "<>" else f"in {bound}"
+                what = what if finite else f"a finite number {what}"
+                found.append(f"{where}: must be {what}{f' ({note})' if note else ''}, got {v}")
+    return found
+
+
+def problems(groups: dict[str, Any]) -> list[str]:
+    """Every key out of its BOUNDS first; then the rules between keys of each group whose
+    values are all in range (and the rules that read a second group when both are here and in
+    range): a rule such as `hidden_size % num_heads` may assume sane values."""
+    ranges = {name: out_of_bounds(name, group) for name, group in groups.items()}
+    found = [message for messages in ranges.values() for message in messages]
+    sane = {name: group for name, group in groups.items() if not ranges[name]}
+    for name, group in sane.items():
         if name == "data":
-            found += group.check(model=groups.get("model"))
+            found += group.check(model=sane.get("model"))
         elif name == "preflight":
-            found += group.check(cluster=groups.get("cluster"))
+            found += group.check(cluster=sane.get("cluster"))
         else:
             found += group.check()
     return found

@@ -235,3 +235,91 @@ def test_each_group_judges_its_own_keys():
     data = defaults("data", seq_len=4096)
     assert data.check() == []
     assert data.check(model=defaults("model")) == ["data.seq_len: 4096 exceeds model.max_seq_len=128"]
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.lr=inf", "train.lr: must be a finite number > 0, got inf"),
+        ("train.log_interval=0", "train.log_interval: must be >= 1, got 0"),
+        ("train.lr=nan", "train.lr: must be a finite number > 0, got nan"),
+        ("train.grad_clip=inf", "train.grad_clip: must be a finite number >= 0 (0 disables), got inf"),
+        ("train.checkpoint_interval=0", "train.checkpoint_interval: must be >= 1, got 0"),
+        ("train.straggler_interval=-5", "train.straggler_interval: must be >= 1, got -5"),
+        ("train.beta2=1.0", "train.beta2: must be in [0, 1), got 1.0"),
+        ("train.watchdog_timeout_s=0", "train.watchdog_timeout_s: must be > 0, got 0.0"),
+        ("model.hidden_size=0", "model.hidden_size: must be >= 1, got 0"),
+        ("data.cache_gb=-inf", "data.cache_gb: must be a finite number > 0, got -inf"),
+        (
+            "preflight.allreduce_sizes_mb=[1,nan]",
+            "preflight.allreduce_sizes_mb[1]: must be a finite number > 0, got nan",
+        ),
+    ],
+)
+def test_values_that_cannot_work_fail_at_compose_naming_the_key(override, message, capsys):
+    with pytest.raises(ConfigError) as err:
+        compose([override])
+    assert str(err.value) == f"invalid config:\n  {message}"
+    assert main(["config", override]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"liftoff config: invalid config: {message}\n"
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.lr=inf", "train.lr: must be a finite number > 0, got inf"),
+        ("train.log_interval=0", "train.log_interval: must be >= 1, got 0"),
+    ],
+)
+def test_the_liftoff_command_refuses_them_in_one_line(override, message):
+    from tests.test_cli import cli
+
+    proc = cli("config", override)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"liftoff config: invalid config: {message}\n"
+
+
+def test_a_range_error_skips_the_rules_that_read_that_group():
+    """`model.num_heads=0` is one error, not also a divisibility rule dividing by it; a bad
+    group does not stop another group's rules."""
+    with pytest.raises(ConfigError) as err:
+        compose(["model.num_heads=0", "train.warmup_steps=5000"])
+    assert str(err.value).splitlines()[1:] == [
+        "  model.num_heads: must be >= 1, got 0",
+        "  train.warmup_steps: 5000 must be >= 0 and < train.steps=60",
+    ]
+
+
+def test_every_numeric_key_has_a_range_decided():
+    """A new int or float field must get a BOUNDS entry (or a NOT_BOUNDED reason); every entry
+    names a real key."""
+    import dataclasses
+    import typing
+
+    from components.config import BOUNDS, NOT_BOUNDED, Config
+
+    def numeric(hint) -> bool:
+        return hint in (int, float) or any(numeric(a) for a in typing.get_args(hint) if a is not str)
+
+    keys = set()
+    for group in dataclasses.fields(Config):
+        schema = typing.get_type_hints(Config)[group.name]
+        for f, hint in typing.get_type_hints(schema).items():
+            if numeric(hint) and hint is not bool:
+                keys.add(f"{group.name}.{f}")
+    assert keys - set(BOUNDS) - set(NOT_BOUNDED) == set()
+    assert set(BOUNDS) | set(NOT_BOUNDED) <= keys
+
+
+def test_every_option_in_conf_composes():
+    """Every YAML file of every group, and each model on the cluster, passes the ranges (the
+    hub presets need the pin their comment asks for)."""
+    from components.config import config_groups
+
+    pins = {"data": "data.hub_revision=" + "0" * 40, "tokenizer": "tokenizer.revision=" + "0" * 40}
+    for group, options in config_groups().items():
+        for option in options:
+            compose([f"{group}={option}", *([pins[group]] if group in pins else [])])
+    for model in config_groups()["model"]:
+        compose([f"model={model}", "cluster=kubernetes", "store=minio", "~experiment"])
