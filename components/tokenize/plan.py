@@ -114,7 +114,7 @@ def sample_texts(data: DataConfig, files: list[SourceFile], objects, budget_byte
             paths = local_copies([f], objects, Path(scratch)) if f else []
             for p in paths:
                 check_line_lengths(p, f.uri, data.max_doc_bytes)
-            docs = load_documents(data, paths)
+            docs = load_documents(data, paths, names=[f.uri] if f else None)
             for batch in docs.iter(batch_size=1000):
                 keys = document_keys(batch, data.min_chars, data.split_seed)
                 counts["read"] += len(batch["text"])

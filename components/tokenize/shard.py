@@ -39,7 +39,7 @@ def build_shard(plan: Plan, index: int, data: DataConfig, tokenizer, objects, ou
         paths = local_copies(files, objects, Path(scratch))  # objects downloaded: this shard's bytes only
         for f, p in zip(files, paths, strict=True):
             check_line_lengths(p, f.uri, data.max_doc_bytes)
-        docs = clean_and_split(load_documents(data, paths, (index, plan.shards)), data)
+        docs = clean_and_split(load_documents(data, paths, (index, plan.shards), [f.uri for f in files]), data)
         dtype, block_len = np.dtype(plan.dtype), data.seq_len + 1
         splits = {}
         t_tok = time.perf_counter()

@@ -160,20 +160,24 @@ def check_line_lengths(path: Path, what: str, max_doc_bytes: int) -> None:
     before `datasets` would hold that whole line in memory."""
     if path.suffix == ".parquet":
         return
-    longest = current = 0  # bytes of the longest finished line, and of the line being read
+    current = ended = 0  # bytes of the line being read; lines ended before it
     try:
         with open(path, "rb") as fh:
             while chunk := fh.read(1 << 20):
                 parts = chunk.split(b"\n")
                 current += len(parts[0])
+                lengths = {0: current}  # this chunk's lines by index (line ended + 1 + index): bytes
                 if len(parts) > 1:
-                    longest = max(longest, current, *(len(p) for p in parts[1:-1]))
-                    current = len(parts[-1])
-                if max(longest, current) > max_doc_bytes:
+                    if len(chunk) > max_doc_bytes:  # only then can a line within the chunk be too long
+                        lengths.update((i, len(p)) for i, p in enumerate(parts[1:-1], 1))
+                    current = lengths[len(parts) - 1] = len(parts[-1])
+                too_long = next((i for i, n in lengths.items() if n > max_doc_bytes), None)
+                if too_long is not None:
                     raise DataError(
                         f"data.paths: {what} has a line longer than data.max_doc_bytes="
-                        f"{max_doc_bytes}; split it into documents or raise the limit"
+                        f"{max_doc_bytes} (line {ended + too_long + 1}); split it into documents or raise the limit"
                     )
+                ended += len(parts) - 1
     except OSError as e:
         raise DataError(f"data.paths: cannot read {what}: {e.strerror}") from None
 

@@ -113,7 +113,8 @@ def test_a_failing_shard_names_itself_and_its_files_and_no_dataset_is_published(
     bad.mkdir()
     for p in sorted(corpus.iterdir()):
         (bad / p.name).write_bytes(p.read_bytes())
-    (bad / "part-07.jsonl").write_text((bad / "part-07.jsonl").read_text() + "{not json\n")
+    good = (bad / "part-07.jsonl").read_text()
+    (bad / "part-07.jsonl").write_text(good + "{not json\n")
     made = configured(corpus, defaults("store", root=str(tmp_path / "t"), cache_dir=str(tmp_path / "tc")))
     tokenizer = open_store(made.store).fetch(tokenize(made).manifest) / "tokenizer"
     store_cfg = defaults("store", root=str(tmp_path / "s"), cache_dir=str(tmp_path / "c"))
@@ -122,7 +123,8 @@ def test_a_failing_shard_names_itself_and_its_files_and_no_dataset_is_published(
     with pytest.raises(
         ShardError,
         match=r"shard 4/4 of dataset/kjv@\w+ \(\S+/part-03.jsonl, \S+/part-07.jsonl\): data.paths: cannot parse "
-        r"\S+/part-03.jsonl, \S+/part-07.jsonl as json",
+        rf"\S+/part-07.jsonl line {good.count(chr(10)) + 1}: not valid JSON \(Expecting property name enclosed in "
+        r"double quotes: column 2\)$",
     ):
         tokenize(cfg)
     store = open_store(cfg.store)

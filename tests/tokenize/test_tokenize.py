@@ -221,6 +221,99 @@ def test_unparseable_file(tmp_path):
     bad(tmp_path, f"data.paths=[{src}]", match="cannot parse")
 
 
+@pytest.mark.parametrize(
+    "name,content,reason",
+    [
+        pytest.param(
+            "bad.jsonl",
+            b'{"text": "a"}\n{"text": "b"}\n{"text": "c" "d"}\n{"text": "e"}\n',
+            " line 3: not valid JSON (Expecting ',' delimiter: column 14)",
+            id="not-json",
+        ),
+        pytest.param("empty.jsonl", b"", ": empty file, no documents", id="empty-jsonl"),
+        pytest.param("empty.txt", b"", ": empty file, no documents", id="empty-txt"),
+        pytest.param("blank.jsonl", b"\n  \n\n", ": only blank lines, no documents", id="blank-lines"),
+        pytest.param(
+            "image.jsonl",
+            b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x01\x00",
+            " line 1: not UTF-8 (byte 0x89 at offset 0)",
+            id="binary",
+        ),
+        pytest.param(
+            "latin1.jsonl",
+            '{"text": "fine"}\n{"text": "caf\xe9 au lait"}\n'.encode("latin-1"),
+            " line 2: not UTF-8 (byte 0xe9 at offset 13)",
+            id="latin-1-jsonl",
+        ),
+        pytest.param(
+            "latin1.txt",
+            "In the beginning\n\ncaf\xe9\n".encode("latin-1"),
+            " line 3: not UTF-8 (byte 0xe9 at offset 3)",
+            id="latin-1-text",
+        ),
+        pytest.param(
+            "cut.jsonl",
+            b'{"text": "a"}\n{"text": "b"}\n{"text": "cut off',
+            " line 3: not valid JSON (Unterminated string starting at: column 10)",
+            id="bad-last-line",
+        ),
+        pytest.param(
+            "typed.jsonl",
+            b'{"text": "a", "n": 1}\n\n{"text": "b", "n": "two"}\n',
+            " line 3: 'n' is a string; line 1 has a number",
+            id="type-change",
+        ),
+    ],
+)
+def test_a_parse_error_names_the_file_the_line_and_the_reason(tmp_path, name, content, reason):
+    """Through the whole stage (the plan reads the documents first, for the BPE's sample):
+    the message is the file, the line and what the parser found, never datasets' own
+    "An error occurred while generating the dataset"."""
+    src = tmp_path / name
+    src.write_bytes(content)
+    cfg = cfg_for(tmp_path, f"data.paths=[{src}]")
+    with pytest.raises(DataError) as err:
+        tokenize(cfg)
+    assert str(err.value) == f"data.paths: cannot parse {src.resolve()}{reason}"
+    assert published(cfg, "dataset") == []
+
+
+def test_parquet_errors_name_the_file_and_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from components.tokenize.documents import load_documents
+
+    data = defaults("data")
+    notpq = tmp_path / "text.parquet"
+    notpq.write_text("In the beginning God created the heaven and the earth.\n")
+    with pytest.raises(DataError) as err:
+        load_documents(data, [notpq])
+    assert str(err.value) == (
+        f"data.paths: cannot parse {notpq}: not a Parquet file (Parquet magic bytes not found in footer. "
+        "Either the file is corrupted or this is not a parquet file.)"
+    )
+    latin1 = tmp_path / "latin1.parquet"  # string bytes Parquet writes unchecked
+    pq.write_table(pa.table({"text": pa.array([b"one", b"two", b"caf\xe9"], pa.binary()).view(pa.string())}), latin1)
+    with pytest.raises(DataError) as err:
+        load_documents(data, [latin1], names=["s3://corpus/latin1.parquet"])
+    assert (
+        str(err.value) == "data.paths: cannot parse s3://corpus/latin1.parquet row 3: not UTF-8 (byte 0xe9 at offset 3)"
+    )
+
+
+def test_a_line_over_max_doc_bytes_is_refused_naming_its_line(tmp_path):
+    src = tmp_path / "long.jsonl"
+    src.write_text('{"text": "short"}\n' * 3 + json.dumps({"text": "x" * 5000}) + "\n")
+    cfg = cfg_for(tmp_path, f"data.paths=[{src}]", "data.max_doc_bytes=4096")
+    with pytest.raises(DataError) as err:
+        tokenize(cfg)
+    assert str(err.value) == (
+        f"data.paths: {src.resolve()} has a line longer than data.max_doc_bytes=4096 (line 4); split it into "
+        "documents or raise the limit"
+    )
+
+
 def test_plan_shards_and_merge_fan_out_under_kfp_local(tmp_path):
     """The stage as the pipeline wires it: plan -> dsl.ParallelFor over its items -> merge of the
     dsl.Collected shard refs, run by kfp.local, each task a process of its own."""
