@@ -111,7 +111,6 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-@pytest.mark.chaos_slow
 def test_killed_launcher_rerun_resumes_from_the_store_to_identical_weights(dataset_store, tmp_path, chaos):
     rec = chaos(
         "training launcher SIGKILLed mid-run (2 nodes), then rerun on a fresh machine (node disks and caches wiped)",
