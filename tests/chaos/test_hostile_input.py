@@ -327,17 +327,19 @@ def test_code_in_stored_checkpoint_metadata_never_runs(dataset_store, tmp_path, 
 
     shutil.rmtree(trained.run_dir)  # a new pod: resume must come from the store
     capfd.readouterr()
+    longer = ["train.steps=8", "train.warmup_steps=1", "train.checkpoint_interval=4"]
     with pytest.raises(LaunchError, match=r"\.metadata.*refus"):
-        trainer.run(*run, f"train.resume={trained.checkpoint_version}")
-    again = trainer.run(*run)  # auto: the tampered checkpoint is skipped, naming the file
-    out = capfd.readouterr().out
-    assert again.result.steps == 4 and "skipping stored checkpoint" in out and ".metadata" in out
+        trainer.run(*longer, f"train.resume={trained.checkpoint_version}")
+    quarantined = trainer.store.quarantined(ckpt)  # refused once, never offered again
+    assert quarantined and ".metadata" in quarantined["reason"] and not trainer.store.exists(ckpt)
+    again = trainer.run(*run)  # auto: the tampered checkpoint is no candidate
+    assert again.result.steps == 4 and again.result.resumed_from is None
     starts = [e for e in read_records(again.metrics)[1] if e["kind"] == "start"]
     assert starts[-1]["step"] == 0  # trained afresh, never loaded the crafted metadata
     assert not marker.exists()
     rec.happened(
         f"{len(variants)} payloads (dotted names through {len(modules)} modules): validate, resume=<version> and "
-        "resume=auto all refused naming .metadata; no command ran"
+        "resume=auto all refused naming .metadata (the version quarantined); no command ran"
     )
 
 
