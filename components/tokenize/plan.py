@@ -17,7 +17,7 @@ from pathlib import Path
 from components.config import DataConfig, ModelConfig, TokenizerConfig, as_plain_dict
 from components.store import ArtifactStore, Ref
 from components.tokenize.documents import document_keys, load_documents
-from components.tokenize.pack import block_dtype
+from components.tokenize.pack import block_dtype, pieces
 from components.tokenize.sources import (
     DataError,
     SourceFile,
@@ -123,7 +123,7 @@ def sample_texts(data: DataConfig, files: list[SourceFile], objects, budget_byte
                         continue
                     seen.add(key)
                     counts["kept"] += 1
-                    yield text
+                    yield from pieces(text)  # a long document in pieces: the trainer's memory is bounded
                     used += len(text.encode("utf-8", "surrogatepass"))
                     if used >= budget_bytes:
                         return
