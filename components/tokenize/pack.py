@@ -57,9 +57,11 @@ def pieces(text: str, size: int | None = None) -> Iterator[str]:
     start, n = 0, len(text)
     while n - start > size:
         cut = text.rfind(" ", start + 1, start + size + 1)
-        while cut > start and text[cut - 1].isspace():  # inside a run of whitespace: before the run
+        for _ in range(1024):  # inside a run of whitespace: before the run (a run of 1024+ is hard cut)
+            if cut <= start or not text[cut - 1].isspace():
+                break
             cut = text.rfind(" ", start + 1, cut)
-        if cut <= start:
+        if cut <= start or text[cut - 1].isspace():
             cut = start + size
         yield text[start:cut]
         start = cut
