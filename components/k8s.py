@@ -5,6 +5,8 @@ make, which `deploy/rbac.yaml` grants to the one service account they run as."""
 from __future__ import annotations
 
 import logging
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT = "liftoff"
-JOB_LABEL = "liftoff.dev/job"  # the vcjob's name before TorchX's unique suffix: a relaunch finds its predecessor
+JOB_LABEL = "liftoff.dev/job"  # the stage's job name (train-<identity[:8]>): every run of one config shares it
+LAUNCH_LABEL = "liftoff.dev/launch"  # the driver's own launch id: which run a vcjob belongs to
+ATTEMPT_LABEL = "liftoff.dev/attempt"  # that launch's attempt (0, then each relaunch after a failure)
+# the driver pod (KFP v2 sets both in every executor container, by the downward API; POD_* elsewhere)
+DRIVER_POD_ENV = (("KFP_POD_NAME", "KFP_POD_UID"), ("POD_NAME", "POD_UID"))
 # env name in the replica -> key in the Secret `store.secret_name` (deploy/minio-secret.yaml)
 STORE_SECRET_KEYS = {"MINIO_ACCESS_KEY": "accesskey", "MINIO_SECRET_KEY": "secretkey", "MINIO_ENDPOINT": "endpoint"}
 NODE_NAME_FROM_POD = "[FIELD_PATH]spec.nodeName"  # TorchX turns this into a fieldRef env value
@@ -32,12 +38,12 @@ class Access:
 ACCESS = (
     Access("batch.volcano.sh", "jobs", "create", "TorchX submits the train and preflight jobs"),
     Access("batch.volcano.sh", "jobs", "get", "TorchX describe_native; cancel reads the job first"),
-    Access("batch.volcano.sh", "jobs", "list", "a relaunch finds the earlier attempt's job by label"),
+    Access("batch.volcano.sh", "jobs", "list", "a relaunch finds its own earlier attempt's job by label"),
     Access("batch.volcano.sh", "jobs", "watch", "waiting on a job without polling"),
-    Access("batch.volcano.sh", "jobs", "delete", "the driver deletes an earlier attempt's job"),
+    Access("batch.volcano.sh", "jobs", "delete", "the driver deletes its own earlier attempt's job, or an orphan's"),
     Access("batch.volcano.sh", "jobs/status", "get", "TorchX describe and wait read the job's phase"),
     Access("batch.volcano.sh", "jobs/status", "update", "TorchX cancel marks the job Aborted"),
-    Access("", "pods", "get", "TorchX describe reads replica IPs; log streaming reads the pod"),
+    Access("", "pods", "get", "TorchX describe reads replica IPs; log streaming; is a job's driver alive"),
     Access("", "pods", "list", "log streaming finds a replica's pod"),
     Access("", "pods", "watch", "log streaming waits for the pod to start"),
     Access("", "pods", "patch", "the KFP launcher annotates its own pod"),
@@ -59,13 +65,55 @@ def namespace(configured: str | None) -> str:
     raise ValueError("cluster.namespace is null and this is not a pod: set cluster.namespace")
 
 
+def label_value(text: str) -> str:
+    """`text` as a valid label value: [A-Za-z0-9._-], at most 63, alphanumeric at both ends."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", text)[:63].strip("-._")
+
+
+def attempt_name(job_name: str, launch_id: str, attempt: int) -> str:
+    """The name one attempt of one launch gives TorchX (which appends its own unique suffix):
+    `train-1a2b3c4d-<launch id's last 8>-a<attempt>`, so two runs of one config, and a run's
+    relaunches, never share a vcjob name, and `kubectl get vcjob` tells them apart."""
+    short = re.sub(r"[^a-z0-9]", "", launch_id.lower())[-8:]
+    return f"{job_name}-{short}-a{attempt}"
+
+
+def driver_owner(ns: str) -> dict[str, str] | None:
+    """An ownerReference to the driver pod, when this process is one (its name and UID from
+    the downward API) in the namespace the job goes to: the job is then garbage-collected
+    with the pod. None elsewhere (`liftoff render`, a driver outside the cluster, a job in
+    another namespace: an ownerReference cannot cross namespaces, and one whose owner the
+    garbage collector cannot find in the job's own namespace deletes the job at once)."""
+    found = [(os.environ[n], os.environ[u]) for n, u in DRIVER_POD_ENV if os.environ.get(n) and os.environ.get(u)]
+    if not found:
+        return None
+    name, uid = found[0]
+    own = os.environ.get("POD_NAMESPACE") or (
+        IN_CLUSTER_NAMESPACE.read_text().strip() if IN_CLUSTER_NAMESPACE.is_file() else None
+    )
+    if own != ns:
+        log.info("vcjob not owned by driver pod %s: it runs in namespace %s, the job in %s", name, own, ns)
+        return None
+    # no blockOwnerDeletion: setting it needs `update` on pods/finalizers, and nothing waits on it
+    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid}
+
+
 def finish_job(
-    resource: dict[str, Any], cluster, secret_name: str | None, job_name: str, exclude_nodes=()
+    resource: dict[str, Any],
+    cluster,
+    secret_name: str | None,
+    job_name: str,
+    exclude_nodes=(),
+    *,
+    launch_id: str | None = None,
+    attempt: int = 0,
+    owner: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """What TorchX's generated Volcano job lacks, on every replica's pod: store credentials by
     `secretKeyRef` (never literal values: whoever can read vcjobs could read them), the GPU
     node selector and toleration, a node anti-affinity for the nodes preflight excluded, the
-    pull policy and pull secrets, and the job label."""
+    pull policy and pull secrets, and the labels (the stage's job name, the launch and its
+    attempt); on the job, the ownerReference to its driver pod when there is one."""
     from kubernetes.client import (
         V1EnvVar,
         V1EnvVarSource,
@@ -74,13 +122,18 @@ def finish_job(
         V1Toleration,
     )
 
-    resource["metadata"].setdefault("labels", {})[JOB_LABEL] = job_name
+    labels = {JOB_LABEL: job_name}
+    if launch_id:
+        labels.update({LAUNCH_LABEL: label_value(launch_id), ATTEMPT_LABEL: str(attempt)})
+    resource["metadata"].setdefault("labels", {}).update(labels)
+    if owner:
+        resource["metadata"]["ownerReferences"] = [owner]
     for task in resource["spec"]["tasks"]:
         pod_name = f"{resource['metadata']['name']}-{task['name']}-0"
         if len(pod_name) > 63:
             raise ValueError(f"pod name {pod_name!r} exceeds Kubernetes' 63 characters: shorten the job name")
         pod = task["template"]
-        pod.metadata.labels[JOB_LABEL] = job_name
+        pod.metadata.labels.update(labels)
         spec = pod.spec
         spec.node_selector = {**(spec.node_selector or {}), **dict(cluster.node_selector)}
         if cluster.gpu > 0:
@@ -125,22 +178,64 @@ def as_plain(resource: dict[str, Any]) -> dict[str, Any]:
     return ApiClient().sanitize_for_serialization(resource)
 
 
-def delete_earlier_attempts(ns: str, job_name: str, api=None) -> list[str]:
-    """Delete the vcjobs an earlier attempt of this job left (a UI Retry, a driver pod that
-    was evicted before it could cancel): two jobs must never hold the same GPUs."""
-    if api is None:
-        from kubernetes import client, config
+def _apis():
+    from kubernetes import client, config
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        api = client.CustomObjectsApi()
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.CustomObjectsApi(), client.CoreV1Api()
+
+
+def delete_earlier_attempts(ns: str, job_name: str, launch_id: str, attempt: int, api=None, core=None) -> list[str]:
+    """Before an attempt is submitted, delete the vcjobs that must not hold GPUs next to it:
+    this launch's own earlier attempts (same launch label, a lower attempt: a relaunch after
+    a failure whose cancel did not go through) and orphans, jobs of this stage's name whose
+    owner driver pod is gone or has ended (a driver OOM-killed or lost with its node, then
+    retried from the KFP UI). Another run's job, with a live driver or none known, is never
+    touched: two runs of one config share the job name and must not delete each other's."""
+    if api is None or core is None:
+        api, core = _apis()
     found = api.list_namespaced_custom_object(
         "batch.volcano.sh", "v1alpha1", ns, "jobs", label_selector=f"{JOB_LABEL}={job_name}"
     )
-    names = [item["metadata"]["name"] for item in found.get("items", [])]
-    for name in names:
-        log.warning("deleting vcjob %s/%s left by an earlier attempt of %s", ns, name, job_name)
+    mine = label_value(launch_id)
+    deleted = []
+    for item in found.get("items", []):
+        meta = item["metadata"]
+        labels = meta.get("labels") or {}
+        name, theirs = meta["name"], labels.get(LAUNCH_LABEL)
+        if theirs == mine:
+            earlier = labels.get(ATTEMPT_LABEL, "").isdigit() and int(labels[ATTEMPT_LABEL]) < attempt
+            why = f"attempt {labels.get(ATTEMPT_LABEL)} of this launch ({launch_id})" if earlier else None
+        else:
+            why = _orphaned(core, ns, meta)
+        if why is None:
+            log.info("leaving vcjob %s/%s alone: it belongs to launch %s", ns, name, theirs or "(unlabelled)")
+            continue
+        log.warning("deleting vcjob %s/%s left by %s", ns, name, why)
         api.delete_namespaced_custom_object("batch.volcano.sh", "v1alpha1", ns, "jobs", name)
-    return names
+        deleted.append(name)
+    return deleted
+
+
+def _orphaned(core, ns: str, meta: dict) -> str | None:
+    """Why a job's driver is known to be gone (its owner pod deleted, replaced or ended), or
+    None while it may be alive or no owner is recorded."""
+    from kubernetes.client.exceptions import ApiException
+
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") != "Pod":
+            continue
+        try:
+            pod = core.read_namespaced_pod(ref["name"], ns)
+        except ApiException as e:
+            if e.status == 404:
+                return f"driver pod {ref['name']}, which no longer exists"
+            raise
+        if pod.metadata.uid != ref.get("uid"):
+            return f"driver pod {ref['name']} (uid {ref.get('uid')}), which no longer exists"
+        if pod.status is not None and pod.status.phase in ("Succeeded", "Failed"):
+            return f"driver pod {ref['name']}, which has ended ({pod.status.phase})"
+    return None

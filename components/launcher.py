@@ -14,7 +14,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 import typing
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,11 @@ PLUGIN_ARGS_ENV = "LIFTOFF_WORKER_PLUGIN_ARGS"  # the plugin's own settings (whi
 # (declared in their environment, on Kubernetes as locally): DDP's deprecation of the
 # `broadcast_buffers` argument, whose replacement changes what it means (components/train/parallel.py).
 QUIET_WARNINGS = "ignore:`broadcast_buffers` is deprecated:FutureWarning"
+
+# What a replica's process prints, as one log line, when an exception ends it: its rank, the
+# time (epoch seconds) and the exception. The driver reads it from the replica's log stream
+# (all a pod shares with it besides the store) to name the rank that failed first.
+FAILURE_MARK = "liftoff-failure:"
 
 
 class LaunchError(RuntimeError):
@@ -79,6 +86,13 @@ class Launch:
     log_dir: Path
     nodes_dir: Path  # locally, replica i lives in nodes_dir/<i>/ (its cwd, HOME, TMPDIR): a pod's own disk
     exclude_nodes: tuple[str, ...] = ()  # Kubernetes nodes the replicas must not run on (preflight's verdict)
+    # which run this is (the spec's launch or run id, else a new one): on Kubernetes every
+    # attempt's vcjob carries it, and a driver deletes only its own launch's earlier attempts
+    launch_id: str = ""
+
+    def __post_init__(self):
+        spec_id = getattr(self.spec, "launch_id", None) or getattr(self.spec, "run_id", None)
+        self.launch_id = self.launch_id or spec_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
     @property
     def store_secret(self) -> str | None:
@@ -109,7 +123,26 @@ def worker_spec(argv: list[str] | None, spec_type: type[WorkerSpec]):
         stream=sys.stdout,
     )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    report_uncaught_exceptions()
     return spec
+
+
+def report_uncaught_exceptions(rank: str | None = None) -> None:
+    """An exception that ends this replica's process is first logged as one `FAILURE_MARK`
+    line (rank, time, type, message), then printed as usual. torch.distributed's own hook,
+    installed later, calls this one: it chains."""
+    rank = rank if rank is not None else os.environ.get("RANK", "?")
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        try:
+            record = {"rank": rank, "time": time.time(), "type": kind.__name__, "message": str(value)}
+            logging.getLogger("liftoff.failure").error("%s %s", FAILURE_MARK, json.dumps(record))
+        except Exception:  # the traceback below matters more than this line
+            pass
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def threads_per_process(cluster: ClusterConfig) -> int:
@@ -197,17 +230,34 @@ def scheduler_cfg(cluster: ClusterConfig, log_dir: Path, namespace: str | None =
     return cfg
 
 
+def attempt_of(env: dict[str, str] | None) -> int:
+    return int((env or {}).get("LIFTOFF_ATTEMPT", "0"))
+
+
 def kubernetes_job(
     launch: Launch, env: dict[str, str] | None = None, runner=None, namespace: str | None = None, app=None
 ):
     """TorchX's own dry run of the job on Kubernetes, finished by `k8s.finish_job`: what a
-    cluster run submits and what `liftoff render` writes."""
+    cluster run submits and what `liftoff render` writes. Each attempt of each launch is a
+    vcjob of its own name, labelled with both, owned by the driver pod when there is one."""
     from torchx.runner import get_runner
 
     runner = runner or get_runner()
-    app = app or build_app(launch.module, launch.spec, launch.cluster, launch.name, env or {})
-    info = runner.dryrun(app, "kubernetes", cfg=scheduler_cfg(launch.cluster, launch.log_dir, namespace))
-    k8s.finish_job(info.request.resource, launch.cluster, launch.store_secret, launch.name, launch.exclude_nodes)
+    attempt = attempt_of(env)
+    name = k8s.attempt_name(launch.name, launch.launch_id, attempt)
+    app = app or build_app(launch.module, launch.spec, launch.cluster, name, env or {})
+    ns = namespace or k8s.namespace(launch.cluster.namespace)
+    info = runner.dryrun(app, "kubernetes", cfg=scheduler_cfg(launch.cluster, launch.log_dir, ns))
+    k8s.finish_job(
+        info.request.resource,
+        launch.cluster,
+        launch.store_secret,
+        launch.name,
+        launch.exclude_nodes,
+        launch_id=launch.launch_id,
+        attempt=attempt,
+        owner=k8s.driver_owner(ns),
+    )
     return info
 
 
@@ -247,22 +297,26 @@ def run_once(launch: Launch, env: dict[str, str], tail_lines: int = 40) -> None:
     secret = None
     if cluster.scheduler == Scheduler.local_cwd and launch.store_secret:  # what the Secret holds on a cluster
         secret = local_pod.write_secret(launch.nodes_dir / "secret.json", local_pod.store_secret_values(os.environ))
-    app = build_app(launch.module, launch.spec, cluster, launch.name, env, launch.nodes_dir)
+    on_k8s = cluster.scheduler == Scheduler.kubernetes
+    name = k8s.attempt_name(launch.name, launch.launch_id, attempt_of(env)) if on_k8s else launch.name
+    app = build_app(launch.module, launch.spec, cluster, name, env, launch.nodes_dir)
     try:
-        if cluster.scheduler == Scheduler.kubernetes:
+        if on_k8s:
             namespace = k8s.namespace(cluster.namespace)
-            k8s.delete_earlier_attempts(namespace, launch.name)  # a UI Retry must not leave two jobs on the GPUs
+            # two jobs must never hold the same GPUs: this launch's earlier attempt, or an orphan
+            # whose driver is gone, is deleted; another run's job of the same config never is
+            k8s.delete_earlier_attempts(namespace, launch.name, launch.launch_id, attempt_of(env))
             handle = runner.schedule(kubernetes_job(launch, env, runner, namespace, app))
         else:
             handle = runner.run(app, scheduler=cluster.scheduler.value, cfg=scheduler_cfg(cluster, launch.log_dir))
         log.info("launched %s on %s: %s", launch.name, cluster.scheduler.value, handle)
         with _cancelled_unless_finished(runner, handle, launch.name):
-            status, tails = _follow(runner, handle, launch, app.roles[0].name)
+            status, tails, failures = _follow(runner, handle, launch, app.roles[0].name)
     finally:
         runner.close()
         if secret is not None:
             secret.unlink(missing_ok=True)
-    _raise_unless_succeeded(launch.name, status, tails, tail_lines)
+    _raise_unless_succeeded(launch.name, status, tails, tail_lines, failures)
 
 
 @contextlib.contextmanager
@@ -289,13 +343,15 @@ def _cancelled_unless_finished(runner, handle: str, name: str):
 
 
 def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40):
-    """Stream every replica's log until the job ends; (final status, each replica's last lines).
-    A replica's stream is retried while the job runs: its pod may not exist yet. A stream that
-    failed gets one last read after the job ended: a replica that crashed before its log could
-    be read has its log by then."""
+    """Stream every replica's log until the job ends; (final status, each replica's last lines,
+    the failures its processes reported: `FAILURE_MARK` lines, kept apart from the bounded
+    tail). A replica's stream is retried while the job runs: its pod may not exist yet. A
+    stream that failed gets one last read after the job ended: a replica that crashed before
+    its log could be read has its log by then."""
 
     done = threading.Event()
     tails = {k: deque(maxlen=tail_lines * 10) for k in range(launch.cluster.nodes)}
+    failures = {k: [] for k in tails}
 
     def stream(k: int) -> None:
         seen = 0  # a retried stream starts from the top again: skip what was printed
@@ -306,6 +362,8 @@ def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40
                     if i >= seen:
                         line = line.rstrip("\n")
                         tails[k].append(line)
+                        if (failure := _reported_failure(k, line)) is not None:
+                            failures[k].append(failure)
                         print(f"[{launch.name}/{k}] {line}", flush=True)
                         seen += 1
                 return
@@ -322,25 +380,180 @@ def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40
     done.set()
     for t in streams:
         t.join(timeout=10)
-    return status, tails
+    return status, tails, failures
 
 
-def _raise_unless_succeeded(name: str, status, tails: dict, tail_lines: int) -> None:
+def _raise_unless_succeeded(name: str, status, tails: dict, tail_lines: int, failures: dict | None = None) -> None:
     from torchx.specs import AppState
 
     if status is not None and status.state == AppState.SUCCEEDED:
         return
     state = status.state.name if status else "UNKNOWN"
-    failing = _failing_replica(status)
-    seen = list(tails.get(failing, [])) if failing is not None else [ln for k in sorted(tails) for ln in tails[k]]
-    cause = root_cause(seen)
+    ranked = first_failures(tails, failures or {})
+    if ranked:  # the rank that failed first is the cause; the others failed after it
+        first, *after = ranked
+        seen = list(tails.get(first.replica, []))
+        head = f"{name} ended {state}; first failure: {first.describe()}"
+        if after:
+            head += " (" + "; ".join(f"{f.who()} failed after it: {f.brief()}" for f in after) + ")"
+    else:
+        failing = _failing_replica(status)
+        seen = list(tails.get(failing, [])) if failing is not None else [ln for k in sorted(tails) for ln in tails[k]]
+        cause = root_cause(seen)
+        head = (
+            f"{name} ended {state}"
+            + (f"; replica {failing} failed" if failing is not None else "")
+            + (f": {cause}" if cause else "")
+        )
     raise LaunchError(
-        f"{name} ended {state}"
-        + (f"; replica {failing} failed" if failing is not None else "")
-        + (f": {cause}" if cause else "")
+        head
         + "; last log lines:\n"
         + "\n".join(f"  | {ln}" for ln in log_tail(seen, tail_lines))  # quoted: never read as the driver's own
     )
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure as its replica's log tells it: its own `FAILURE_MARK` line (exact
+    time, the exception), else torchrun's "Root Cause" block (the second its agent saw the
+    process end: a signal, or an exception from the error file `@record` wrote)."""
+
+    replica: int
+    rank: str
+    time: float
+    cause: str  # `Type: message`, or how the process ended
+    exact: bool = True  # False: torchrun's time, in whole seconds
+    order: float | None = None  # the time it is ranked by (see `torchrun_root_causes`); None: `time`
+
+    def __post_init__(self):
+        if self.order is None:
+            object.__setattr__(self, "order", self.time)
+
+    def who(self) -> str:
+        return f"replica {self.replica} rank {self.rank}"
+
+    def describe(self) -> str:
+        clock = time.strftime("%H:%M:%S", time.localtime(self.time))
+        clock += f".{int(self.time * 1000) % 1000:03d}" if self.exact else ""
+        return f"{self.who()} at {clock}: {self.cause}"
+
+    def brief(self, n: int = 120) -> str:
+        # gloo's source location in front of its message says nothing to a user
+        text = re.sub(r"^(\w+: )\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ", r"\1", self.cause)
+        text = re.split(r"(?<=\.) (?=[A-Z])", text, maxsplit=1)[0]  # its first sentence
+        return text if len(text) <= n else text[: n - 3].rstrip() + "..."
+
+
+# a process that died of these died on its own (the kernel's OOM killer, a crash); a SIGTERM
+# or SIGINT is someone stopping it (its agent after a peer failed, a cancel)
+_OWN_DEATH = ("SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")
+
+
+def _reported_failure(replica: int, line: str) -> Failure | None:
+    m = re.search(re.escape(FAILURE_MARK) + r" (\{.*\})\s*$", line)
+    if not m:
+        return None
+    try:
+        r = json.loads(m.group(1))
+        return Failure(replica, str(r["rank"]), float(r["time"]), _one_line(f"{r['type']}: {r['message']}"))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _one_line(text: str) -> str:
+    """A message's lines as one: `a:` then its indented items `b; c`."""
+    parts = [ln.strip().removeprefix("- ") for ln in text.strip().splitlines() if ln.strip()]
+    if not parts:
+        return text.strip()
+    out = parts[0]
+    for i, part in enumerate(parts[1:]):
+        out += (" " if i == 0 and out.endswith(":") else "; ") + part
+    return out
+
+
+# what the Kubernetes API puts before each line of a pod's log (TorchX asks for timestamps)
+_POD_LOG_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d) ")
+_WATCHDOG = re.compile(r"watchdog: no training progress for \d+s \([^)]*\)")  # components/train/monitor.py
+_ROOT_CAUSE_FIELD = re.compile(r"^\s{2}(time|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
+
+
+def torchrun_root_causes(replica: int, lines: list[str]) -> list[Failure]:
+    """The "Root Cause (first observed failure)" blocks torchrun's agent printed in this replica's log."""
+    from datetime import datetime
+
+    lines = [_POD_LOG_TIME.sub("", ln) for ln in lines]
+    found = []
+    for i, line in enumerate(lines):
+        if "Root Cause (first observed failure):" not in line:
+            continue
+        fields: dict[str, list[str]] = {}
+        key = None
+        for ln in lines[i + 2 :]:
+            if re.match(r"^\s*=+\s*$", ln) or re.match(r"^\[\d+\]:", ln):
+                break
+            m = _ROOT_CAUSE_FIELD.match(ln)
+            if m:
+                key = m.group(1)
+                fields[key] = [m.group(2)]
+            elif key == "traceback":
+                fields[key].append(ln[2:] if ln.startswith("  ") else ln)
+        try:
+            when = datetime.strptime(fields["time"][0].strip(), "%Y-%m-%d_%H:%M:%S").timestamp()
+            rank = fields["rank"][0].split()[0]
+        except (KeyError, IndexError, ValueError):
+            continue
+        exitcode = " ".join(fields.get("exitcode", ["?"])[0].split())
+        signal_name = re.search(r"\((SIG\w+)\)", exitcode)
+        code = exitcode.split()[0] if exitcode else "?"
+        cause = _traceback_exception(fields.get("traceback", []))
+        # Ranked against the exact times of the ranks' own reports: an exception from the
+        # error file happened within its (floored) second; a process that died on its own,
+        # with no exception, counts as first against exceptions up to a second later (what
+        # its peers take to notice: a lost connection, a timeout); one that was stopped, or
+        # exited without an exception, comes after whatever happened in its second
+        if cause is not None:
+            order = when + 0.5
+        elif signal_name:
+            cause = f"killed by {signal_name.group(1)} (exit code {code})"
+            order = when - 1.0 if signal_name.group(1) in _OWN_DEATH else when + 1.0
+        else:  # an exit without an exception: the replica's last word on why, if it said one
+            said = next((m for ln in reversed(lines[:i]) if (m := _WATCHDOG.search(ln))), None)
+            cause, order = f"exit code {code}" + (f": {said.group(0)}" if said else ""), when + 1.0
+        found.append(Failure(replica, rank, when, cause, exact=False, order=order))
+    return found
+
+
+def _traceback_exception(lines: list[str]) -> str | None:
+    """`Type: message` of a printed traceback: the first unindented line after the frames of
+    its last (outermost) exception, and the message's lines up to the next blank one."""
+    if not lines or not lines[0].startswith("Traceback (most recent"):
+        return None
+    last = max(i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent"))
+    rest = lines[last + 1 :]
+    start = next((i for i, ln in enumerate(rest) if ln and not ln[0].isspace()), None)
+    if start is None:
+        return None
+    kind, _, message = rest[start].partition(": ")
+    body = [message]
+    for ln in rest[start + 1 :]:
+        if not ln.strip():
+            break
+        body.append(ln)
+    return _one_line(f"{kind.rsplit('.', 1)[-1]}: " + "\n".join(body))
+
+
+def first_failures(tails: dict, reported: dict) -> list[Failure]:
+    """Every rank that failed, first first: each rank's own report where its log has one, else
+    what torchrun's agent saw of it. Empty when no replica's log names a failed rank."""
+    by_rank: dict[str, Failure] = {}
+    for k in sorted(tails):
+        for f in torchrun_root_causes(k, list(tails[k])):
+            by_rank.setdefault(f.rank, f)
+    for k in sorted(reported):
+        for f in reported[k]:
+            if f.rank not in by_rank or not by_rank[f.rank].exact:
+                by_rank[f.rank] = f
+    return sorted(by_rank.values(), key=lambda f: (f.order, f.replica))
 
 
 # torchrun's C++ stack frames and banners after a worker died: they push the worker's own

@@ -21,6 +21,7 @@ import torch
 from components.launcher import PLUGIN_ARGS_ENV, PLUGIN_ENV
 
 FAULTS_ENV = PLUGIN_ARGS_ENV
+RAISED_VERSION = "fault-injected-7c1e"  # in the message of raise_rank's NotFound
 log = logging.getLogger("liftoff.faults")
 
 
@@ -29,7 +30,9 @@ def fault_env(**faults) -> dict[str, str]:
     nan_weight + nan_weight_steps: that parameter (its name in the plain model) holds a NaN
     during those steps only, so the first non-finite output is inside a block, compiled or
     not; kill_rank/kill_step: that rank
-    SIGKILLs itself (first attempt only); slow_rank/slow_seconds: a slow device; hang_rank/
+    SIGKILLs itself (first attempt only); raise_rank/raise_step: that rank raises the store's
+    `NotFound` (every attempt), so its peers then fail on the lost connection;
+    slow_rank/slow_seconds: a slow device; hang_rank/
     hang_step: a rank that stops making progress; throttle_node: a preflight node whose GEMMs
     run slow."""
     return {PLUGIN_ENV: "tests.faults", FAULTS_ENV: json.dumps(faults)}
@@ -94,6 +97,11 @@ def install(job, state) -> None:
         if job.rank == f.get("kill_rank", -1) and step == f.get("kill_step") and first_attempt:
             log.warning("fault injection: rank %d SIGKILLs itself at step %d", job.rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
+        if job.rank == f.get("raise_rank", -1) and step == f.get("raise_step"):
+            from components.store import NotFound
+
+            log.warning("fault injection: rank %d raises NotFound at step %d", job.rank, step)
+            raise NotFound(f"no version {RAISED_VERSION} of checkpoint/tiny in the store")
 
     job.on_step.append(tick)
 

@@ -5,8 +5,14 @@ jobs and their status, pods, pod logs, nodes), recording each one as the RBAC
 Modes for the driver's lifecycle: `log_errors` are the codes the first pod-log reads of each
 replica answer (404 while its pod does not exist, 400 while its container is being created),
 and the job keeps running until every replica's have been answered; `fail_replica` ends the
-job Failed with that replica's task Failed and `FAIL_LINE` last in its log; `on_status_read(n)`
-is called on the n-th job status read (a test sends the driver a signal from it)."""
+job Failed with that replica's task Failed and `FAIL_LINE` last in its log; `replica_logs`
+replaces a replica's log lines (each served as the API does, after an RFC 3339 timestamp);
+`on_status_read(n)` is called on the n-th job status read (a test sends the driver a signal
+from it).
+
+For ownership: jobs are listed by their `labelSelector` (equality terms), every created job's
+name is kept in `created`, and `pods` are the pods besides the replicas' (a driver pod: name
+-> {"uid", "phase"}, or None for one that no longer exists: 404)."""
 
 from __future__ import annotations
 
@@ -33,10 +39,15 @@ class FakeK8s:
         log_errors: Sequence[int] = (),
         fail_replica: int | None = None,
         on_status_read: Callable[[int], None] | None = None,
+        replica_logs: dict[int, list[str]] | None = None,
+        pods: dict[str, dict | None] | None = None,
     ):
         self.calls: list[tuple[str, str, str]] = []  # (group, resource[/sub], verb)
         self.jobs: dict[str, dict] = {name: {"metadata": {"name": name}} for name in earlier_jobs}
         self.deleted: list[str] = []
+        self.created: list[str] = []
+        self.replica_logs = dict(replica_logs or {})
+        self.pods = dict(pods or {})
         self.status_updates: list[tuple[str, dict]] = []  # (job name, body) of each jobs/status PUT
         self.status_reads = 0
         self.running_polls = running_polls
@@ -89,9 +100,15 @@ class FakeK8s:
         verb = VERBS.get(method) or ("get" if name else "watch" if query.get("watch") == ["true"] else "list")
         self.calls.append((group, f"{resource}/{sub}" if sub else resource, verb))
         if resource == "jobs":
-            return self._jobs(method, name, sub, body)
+            return self._jobs(method, name, sub, body, query.get("labelSelector", [""])[0])
         if resource == "pods" and sub == "log":
             return self._log(name)
+        if resource == "pods" and name in self.pods:
+            if self.pods[name] is None:
+                return 404, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404}, None
+            meta = {"name": name, "namespace": m.group("ns"), "uid": self.pods[name]["uid"]}
+            status = {"phase": self.pods[name]["phase"]}
+            return 200, {"metadata": meta, "spec": {"containers": []}, "status": status}, None
         if resource == "pods":
             pod = {"metadata": {"name": name}, "spec": {"containers": [{"name": name.rsplit("-", 1)[0]}]}}
             return 200, {**pod, "status": {"phase": "Running", "podIP": "10.0.0.1"}}, None
@@ -108,6 +125,8 @@ class FakeK8s:
         if code != 200:
             why = "NotFound" if code == 404 else "BadRequest"
             return code, {"kind": "Status", "status": "Failure", "reason": why, "code": code}, None
+        if replica in self.replica_logs:
+            return 200, None, "".join(f"2026-12-01T00:00:00.000000000Z {ln}\n" for ln in self.replica_logs[replica])
         text = "2026-12-01T00:00:00Z replica says hello\n"
         if replica == self.fail_replica:
             text += 'Traceback (most recent call last):\n  File "worker.py", line 1, in <module>\n' + FAIL_LINE + "\n"
@@ -121,17 +140,20 @@ class FakeK8s:
         created = [job for job in self.jobs.values() if "spec" in job]
         return [int(t["name"].rpartition("-")[2]) for job in created for t in job["spec"]["tasks"]]
 
-    def _jobs(self, method: str, name: str | None, sub: str | None, body: bytes):
+    def _jobs(self, method: str, name: str | None, sub: str | None, body: bytes, selector: str = ""):
         if method == "POST":
             job = json.loads(body)
             self.jobs[job["metadata"]["name"]] = job
+            self.created.append(job["metadata"]["name"])
             return 201, job, None
         if method == "DELETE":
             self.deleted.append(name)
             self.jobs.pop(name, None)
             return 200, {"kind": "Status", "status": "Success"}, None
         if name is None:
-            return 200, {"items": list(self.jobs.values())}, None
+            wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
+            items = [j for j in self.jobs.values() if wanted.items() <= (j["metadata"].get("labels") or {}).items()]
+            return 200, {"items": items}, None
         job = self.jobs[name]
         if sub == "status" and method == "PUT":
             update = json.loads(body)

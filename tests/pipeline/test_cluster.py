@@ -143,6 +143,41 @@ def test_train_job_stays_off_the_nodes_preflight_excluded():
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
 
 
+def test_a_job_owned_by_its_driver_pod_passes_the_schemas(tmp_path, monkeypatch):
+    """In a KFP pod (KFP_POD_NAME/KFP_POD_UID from the downward API) the vcjob carries an
+    ownerReference to it, the launch and attempt labels and a name of its own per attempt;
+    still valid against the Volcano CRD, its metadata against Kubernetes' ObjectMeta, and
+    every pod name within the 63 characters finish_job checks."""
+    import kubernetes_validate
+    from omegaconf import OmegaConf
+
+    from components.config import compose
+    from components.launcher import kubernetes_job
+    from components.train.stage import train_launch
+
+    (tmp_path / "namespace").write_text("team-a\n")
+    monkeypatch.setattr(k8s, "IN_CLUSTER_NAMESPACE", tmp_path / "namespace")
+    monkeypatch.setenv("KFP_POD_NAME", "pretrain-abcde-system-container-impl-1234567890")
+    monkeypatch.setenv("KFP_POD_UID", "0b6e8f0e-3c1a-4a4e-9d57-1f1e6f0c2a11")
+    cfg = OmegaConf.to_object(compose([*CLUSTER, "cluster.namespace=team-a", "cluster.nodes=16"]))
+    _, _, launch = train_launch("dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.store, cache_gb=cfg.data.cache_gb)
+    job = k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "12"}, namespace="team-a").request.resource)
+    assert not list(_volcano_validator().iter_errors(job))
+    meta = job["metadata"]
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": "pretrain-abcde-system-container-impl-1234567890"}
+    assert meta["ownerReferences"] == [{**owner, "uid": "0b6e8f0e-3c1a-4a4e-9d57-1f1e6f0c2a11"}]
+    assert meta["labels"][k8s.LAUNCH_LABEL] == launch.launch_id and meta["labels"][k8s.ATTEMPT_LABEL] == "12"
+    assert meta["name"].startswith(f"{launch.name}-{launch.launch_id[-8:]}-a12-")
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta}, K8S_VERSION, strict=True)
+    for task in job["spec"]["tasks"]:
+        assert task["template"]["metadata"]["labels"][k8s.LAUNCH_LABEL] == launch.launch_id
+        assert len(f"{meta['name']}-{task['name']}-0") <= 63
+    # a job in another namespace than the driver's is not owned: the garbage collector would
+    # look for the owner in the job's namespace, not find it, and delete the job at once
+    other = k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace="team-b").request.resource)
+    assert "ownerReferences" not in other["metadata"]
+
+
 def test_deploy_manifests_pass_the_kubernetes_schema():
     import kubernetes_validate
 
@@ -237,12 +272,14 @@ def test_every_kubernetes_call_a_cluster_run_makes_is_granted(tmp_path, monkeypa
     cluster = defaults(
         "cluster", scheduler=Scheduler.kubernetes, nodes=2, namespace="team-a", image="registry.example.com/liftoff:1"
     )
-    with FakeK8s(earlier_jobs=["train-abc-old1"]) as api:
-        api.jobs["train-abc-old1"]["metadata"]["labels"] = {k8s.JOB_LABEL: "train-abc"}
+    launch = train_launch_on(cluster, tmp_path)
+    with FakeK8s(earlier_jobs=["train-abc-old1"]) as api:  # this launch's attempt 0, left running
+        labels = {k8s.JOB_LABEL: "train-abc", k8s.LAUNCH_LABEL: launch.launch_id, k8s.ATTEMPT_LABEL: "0"}
+        api.jobs["train-abc-old1"]["metadata"]["labels"] = labels
         (tmp_path / "kubeconfig").write_text(api.kubeconfig())
         # where a kubeconfig is looked for ($KUBECONFIG is read once, when kubernetes is imported)
         monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))
-        run_once(train_launch_on(cluster, tmp_path), {})
+        run_once(launch, {"LIFTOFF_ATTEMPT": "1"})
         quarantine = __import__("components.preflight.quarantine", fromlist=["quarantine_nodes"])
         from kubernetes import client, config
 
@@ -251,6 +288,7 @@ def test_every_kubernetes_call_a_cluster_run_makes_is_granted(tmp_path, monkeypa
     assert api.deleted[0] == "train-abc-old1"
     created = [job for name, job in api.jobs.items() if name != "train-abc-old1"]
     assert created and created[0]["metadata"]["labels"][k8s.JOB_LABEL] == "train-abc"
+    assert created[0]["metadata"]["labels"][k8s.ATTEMPT_LABEL] == "1"
     calls = set(api.calls)
     for needed in [
         ("batch.volcano.sh", "jobs", "create"),

@@ -4,8 +4,10 @@ driver (finding 9), and where the namespace comes from."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -94,3 +96,112 @@ def test_a_driver_stopped_while_it_follows_the_job_cancels_the_vcjob(launch_on, 
     (created,) = api.jobs
     assert [(name, body["status"]["state"]["phase"]) for name, body in api.status_updates] == [(created, "Aborted")]
     assert ("batch.volcano.sh", "jobs/status", "update") in api.calls
+
+
+@pytest.fixture
+def in_pod(tmp_path, monkeypatch):
+    """Be driver pod `name` (KFP_POD_NAME/KFP_POD_UID, as KFP v2 sets them) in namespace team-a."""
+    (tmp_path / "namespace").write_text("team-a\n")
+    monkeypatch.setattr(k8s, "IN_CLUSTER_NAMESPACE", tmp_path / "namespace")
+
+    def be(name: str) -> None:
+        monkeypatch.setenv("KFP_POD_NAME", name)
+        monkeypatch.setenv("KFP_POD_UID", f"uid-{name}")
+
+    return be
+
+
+def test_two_runs_of_one_config_never_delete_each_others_vcjob(launch_on, in_pod):
+    """Issue 21: two drivers of one config (one job name, train-abc) each submit, then each
+    relaunches after a failure. Each attempt is a vcjob of its own name, labelled with its
+    launch and attempt and owned by its driver pod; a relaunch deletes its own launch's
+    earlier attempt and never the other run's job (recorded DELETE calls)."""
+    from components.launcher import run_once
+    from tests.pipeline.fake_k8s import FakeK8s
+
+    drivers = {f"driver-{d}": {"uid": f"uid-driver-{d}", "phase": "Running"} for d in "ab"}
+    with FakeK8s(running_polls=0, pods=drivers) as api:
+        a, b = launch_on(api), launch_on(api)
+        assert a.name == b.name == "train-abc" and a.launch_id != b.launch_id
+
+        def submit(launch, driver: str, attempt: int) -> str:
+            in_pod(driver)
+            run_once(launch, {"LIFTOFF_ATTEMPT": str(attempt)})
+            return api.created[-1]
+
+        a0 = submit(a, "driver-a", 0)
+        b0 = submit(b, "driver-b", 0)
+        assert api.deleted == [], "a first submit deleted another run's job"
+        b1 = submit(b, "driver-b", 1)
+        assert api.deleted == [b0]
+        a1 = submit(a, "driver-a", 1)
+        assert api.deleted == [b0, a0]
+        assert sorted(api.jobs) == sorted([a1, b1])
+    for name, launch, attempt in [(a0, a, 0), (b0, b, 0), (b1, b, 1), (a1, a, 1)]:
+        assert name.startswith(f"train-abc-{launch.launch_id[-8:]}-a{attempt}-"), name
+    for name, launch, attempt, driver in [(a1, a, 1, "a"), (b1, b, 1, "b")]:
+        meta = api.jobs[name]["metadata"]
+        assert meta["labels"] == {
+            k8s.JOB_LABEL: "train-abc",
+            k8s.LAUNCH_LABEL: launch.launch_id,
+            k8s.ATTEMPT_LABEL: str(attempt),
+        }
+        assert meta["ownerReferences"] == [
+            {"apiVersion": "v1", "kind": "Pod", "name": f"driver-{driver}", "uid": f"uid-driver-{driver}"}
+        ]
+
+
+def test_a_retried_driver_deletes_only_the_job_whose_driver_is_gone(launch_on, in_pod):
+    """A KFP UI Retry after drivers that died without cancelling their jobs (A OOM-killed: its
+    pod Failed; C's pod deleted): the retried driver, a launch of its own, deletes those two
+    orphans before it submits, and leaves alone B's job (its driver pod Running) and a job
+    whose driver is not known (no ownerReference: a driver outside the cluster)."""
+    from components.launcher import run_once
+    from tests.pipeline.fake_k8s import FakeK8s
+
+    drivers = {f"driver-{d}": {"uid": f"uid-driver-{d}", "phase": "Running"} for d in ("a", "b", "c", "retry")}
+    with FakeK8s(running_polls=0, pods=drivers) as api:
+        jobs = {}
+        for driver in ("a", "b", "c"):
+            in_pod(f"driver-{driver}")
+            run_once(launch_on(api), {})
+            jobs[driver] = api.created[-1]
+        unowned = launch_on(api)
+        in_pod("")  # not a pod: no ownerReference
+        run_once(unowned, {})
+        jobs["unowned"] = api.created[-1]
+        assert "ownerReferences" not in api.jobs[jobs["unowned"]]["metadata"]
+        api.pods["driver-a"]["phase"] = "Failed"
+        api.pods["driver-c"] = None  # deleted
+        in_pod("driver-retry")
+        run_once(launch_on(api), {})
+        assert sorted(api.deleted) == sorted([jobs["a"], jobs["c"]])
+        assert {jobs["b"], jobs["unowned"]} <= set(api.jobs)
+
+
+def test_the_first_failing_pod_is_named_from_the_pod_logs(launch_on):
+    """On Kubernetes the failure records come from the pod logs (each line after the API's
+    timestamp): replica 1 raised NotFound first, replica 0 lost its peer 0.8 s later and is
+    the replica the job status calls Failed; the one line names replica 1's NotFound."""
+    from components.launcher import FAILURE_MARK, LaunchError, run_once
+    from tests.pipeline.fake_k8s import FakeK8s
+
+    def report(rank: int, at: float, kind: str, message: str) -> str:
+        record = {"rank": str(rank), "time": at, "type": kind, "message": message}
+        return f"[0]:2026-12-01 00:00:00,000 rank{rank} ERROR liftoff.failure: {FAILURE_MARK} {json.dumps(record)}"
+
+    t = 1796214012.898
+    logs = {
+        1: ["replica says hello", report(1, t, "NotFound", "no version v7 of checkpoint/tiny in the store")],
+        0: ["replica says hello", report(0, t + 0.8, "RuntimeError", "[pair.cc:553] Connection closed by peer")],
+    }
+    with FakeK8s(running_polls=0, fail_replica=0, replica_logs=logs) as api:
+        with pytest.raises(LaunchError) as failed:
+            run_once(launch_on(api), {})
+    first = str(failed.value).splitlines()[0]
+    clock = time.strftime("%H:%M:%S", time.localtime(t))
+    assert first.startswith(
+        f"train-abc ended FAILED; first failure: replica 1 rank 1 at {clock}.898: "
+        "NotFound: no version v7 of checkpoint/tiny in the store "
+        "(replica 0 rank 0 failed after it: RuntimeError: Connection closed by peer)"
+    ), first
