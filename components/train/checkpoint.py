@@ -186,10 +186,13 @@ class Checkpointer:
         """Every rank uploads its own files; rank 0 makes the version visible once all are in."""
         t = self.target
         error = None
+        ref = Ref("checkpoint", t.model_name, version_of(t.identity, final))
+        upload = self._needs_upload(ref)  # a collective every rank joins, whatever fails inside it
         try:  # whatever fails here, this rank still joins the gather below: no peer waits forever
-            ref = Ref("checkpoint", t.model_name, version_of(t.identity, final))
             mine = own_files(final, self.rank) + ([INDEX] if self.rank == 0 else [])
-            if self._needs_upload(ref):
+            if upload is None:
+                raise StoreError("rank 0 could not look the version up in the store")
+            if upload:
                 t.store.upload(ref, {name: final / name for name in mine})
         except Exception as e:
             error = f"rank {self.rank}: {e}"
@@ -212,18 +215,23 @@ class Checkpointer:
                 log.warning("checkpoint retention in %s failed: %s", t.store.description, e)
         self.prune()
 
-    def _needs_upload(self, ref: Ref) -> bool:
+    def _needs_upload(self, ref: Ref) -> bool | None:
         """Whether the version must be uploaded: it is not in the store, or (every rank agrees,
-        by rank 0's look) its stored bytes do not verify, and rank 0 has quarantined it."""
+        by rank 0's look) its stored bytes do not verify, and rank 0 has quarantined it. None
+        when rank 0 could not tell (a store error): every rank still joins the broadcast."""
         verdict = [None]
         if self.rank == 0:
             store = self.target.store
-            verdict = [not store.exists(ref)]
-            if not verdict[0] and (problems := store.verify(ref)):
-                store.quarantine(ref, "; ".join(problems[:3]))  # the rerun's bytes replace the dead ones
-                verdict = [True]
+            try:
+                verdict = [not store.exists(ref)]
+                if not verdict[0] and (problems := store.verify(ref)):
+                    store.quarantine(ref, "; ".join(problems[:3]))  # the rerun's bytes replace the dead ones
+                    verdict = [True]
+            except Exception as e:
+                log.warning("cannot look up %s in %s: %s", ref, store.description, e)
+                verdict = [None]
         dist.broadcast_object_list(verdict, src=0, group=self._pg)
-        return bool(verdict[0])
+        return verdict[0]
 
     def prune(self) -> None:
         """Keep this node's newest `keep` checkpoints (the store keeps its own, by retention)."""

@@ -74,6 +74,8 @@ def check_inputs(
     if train.resume not in ("auto", "never"):
         ref = Ref("checkpoint", model.name, train.resume)
         if not store.exists(ref):
+            if (record := store.quarantined(ref)) is not None:  # damaged bytes: refused, never resumed
+                raise ResumeError(f"train.resume={train.resume}: {ref} is quarantined: {record.get('reason', '')}")
             raise ResumeError(f"train.resume={train.resume}: no {ref} in {store.description}")
         seed = store.manifest(ref).metadata
         check_shape(seed, model, f"train.resume={train.resume}")

@@ -109,6 +109,9 @@ def _decide(mode: str, root: Path, store: ArtifactStore, model: ModelConfig, ide
     try:
         manifest = store.resolve("checkpoint", model.name, Ref("checkpoint", model.name, mode).version)
     except NotFound:
+        if (record := store.quarantined(Ref("checkpoint", model.name, mode))) is not None:
+            why = record.get("reason", "")
+            raise ResumeError(f"train.resume={mode}: checkpoint/{model.name}@{mode} is quarantined: {why}") from None
         raise ResumeError(f"train.resume={mode}: no checkpoint/{model.name}@{mode} in {store.description}") from None
     try:
         path = materialize(store, root, manifest)

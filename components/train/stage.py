@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -137,8 +140,9 @@ def run_train(
     log.info("training identity %s: run directory %s", identity, run_dir)
     # one run per training identity per store: a second one fails at once, naming the holder
     lease = Lease(store, identity, default_holder(launch.spec.launch_id), ttl_s=LEASE_TTL_S)
-    with lease.hold():
+    with sigterm_exits(), lease.hold():  # a stopped driver releases the lease wherever it is stopped
         run_app(launch)
+        lease.check()  # a lease lost to another run (it expired in a store outage): its result is not ours
     # the store is the only channel back from the replicas: nothing is read from their disks
     record = store.fetch(store.manifest(Ref("run", identity, launch.spec.launch_id)))
     result = WorkerResult.from_json(json.loads((record / "result.json").read_text()))
@@ -156,6 +160,23 @@ def run_train(
         result,
         record / "metrics.jsonl",
     )
+
+
+@contextlib.contextmanager
+def sigterm_exits():
+    """SIGTERM (KFP and the kubelet stop a driver pod with it) raises SystemExit in the driver,
+    so `finally` blocks run: the lease is released and the job cancelled."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _kind_name_version(ref: str) -> tuple[str, str, str]:
