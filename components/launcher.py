@@ -396,6 +396,12 @@ def _raise_unless_succeeded(name: str, status, tails: dict, tail_lines: int, fai
         head = f"{name} ended {state}; first failure: {first.describe()}"
         if after:
             head += " (" + "; ".join(f"{f.who()} failed after it: {f.brief()}" for f in after) + ")"
+        # a replica whose log names no failure at all: its processes died without a word
+        # (SIGKILLed with their agent, a lost node or pod), or were stopped before they noticed
+        silent = sorted({*tails, *_failed_replicas(status)} - {f.replica for f in ranked})
+        if silent:
+            which = ", ".join(map(str, silent))
+            head += f"; replica {which} logged no error (its processes killed, or its node lost?)"
     else:
         failing = _failing_replica(status)
         seen = list(tails.get(failing, [])) if failing is not None else [ln for k in sorted(tails) for ln in tails[k]]
@@ -582,10 +588,10 @@ def root_cause(lines: list[str]) -> str | None:
 
 
 def _failing_replica(status) -> int | None:
+    return next(iter(_failed_replicas(status)), None)
+
+
+def _failed_replicas(status) -> list[int]:
     if status is None:
-        return None
-    for role in status.roles:
-        for replica in role.replicas:
-            if replica.state.name == "FAILED":
-                return replica.id
-    return None
+        return []
+    return [r.id for role in status.roles for r in role.replicas if r.state.name == "FAILED"]

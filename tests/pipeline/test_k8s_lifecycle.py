@@ -205,3 +205,20 @@ def test_the_first_failing_pod_is_named_from_the_pod_logs(launch_on):
         "NotFound: no version v7 of checkpoint/tiny in the store "
         "(replica 0 rank 0 failed after it: RuntimeError: Connection closed by peer)"
     ), first
+
+
+def test_a_pod_that_died_without_a_word_is_named_too(launch_on):
+    """Replica 1's pod is lost with its node (its task Failed, nothing in its log); replica 0
+    reports its lost connection. The line names replica 0's error and says replica 1 logged
+    none of its own, rather than passing rank 0's symptom off as the whole story."""
+    from components.launcher import FAILURE_MARK, LaunchError, run_once
+    from tests.pipeline.fake_k8s import FakeK8s
+
+    record = {"rank": "0", "time": 1796214013.5, "type": "RuntimeError", "message": "Connection closed by peer"}
+    logs = {0: [f"rank0 ERROR liftoff.failure: {FAILURE_MARK} {json.dumps(record)}"], 1: ["replica says hello"]}
+    with FakeK8s(running_polls=0, fail_replica=1, replica_logs=logs) as api:
+        with pytest.raises(LaunchError) as failed:
+            run_once(launch_on(api), {})
+    first = str(failed.value).splitlines()[0]
+    assert "first failure: replica 0 rank 0 at " in first and ": RuntimeError: Connection closed by peer; " in first
+    assert "; replica 1 logged no error (its processes killed, or its node lost?); last log lines:" in first
