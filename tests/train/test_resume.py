@@ -124,8 +124,15 @@ def test_a_sweep_job_with_a_shorter_schedule_trains_its_own(trainer):
     twelve = trainer.run(*base, "train.lr=1e-3", "train.steps=12")
     theirs = stored_steps(trainer, twelve.identity)[8]
     jobs = [trainer.run(*base, f"train.lr={lr}", "train.steps=8") for lr in ("1e-3", "3e-3")]
+    from components.plots import read_records
+
+    def lrs(run) -> dict[int, float]:  # the lr each step trained with, as the published model's records say
+        return {r["step"]: r["lr"] for r in read_records(run.export / "training_metrics.jsonl")[0]}
+
     for job in jobs:
         assert job.result.resumed_from is None and job.result.continued == "fresh"
+        assert sorted(lrs(job)) == list(range(1, 9))  # it trained its own 8 steps
+        assert lrs(job)[8] < lrs(twelve)[8]  # on its own, shorter cosine: lower at step 8 than the 12-step one
         assert job.checkpoint_version != theirs.ref.version
         assert not same(weights(job), weights(twelve))
     seeded = trainer.run(*base, "train.lr=1e-3", "train.steps=20", f"train.resume={twelve.checkpoint_version}")
