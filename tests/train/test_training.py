@@ -146,7 +146,7 @@ def test_killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, setup
     else:
         assert clean.result.forward_dtypes == {"norm_weight": "torch.float32"}
     starts = events(killed.metrics, "start")
-    assert len(starts) == 2 and starts[1]["step"] == 10 and starts[1]["resumed_from"].endswith("step-10")
+    assert len(starts) == 2 and starts[1]["step"] == 10 and "-step10-" in starts[1]["resumed_from"]
     # the relaunch replaced the run's event file: still one, steps 11-14 (trained twice) once each
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -176,7 +176,7 @@ def test_nan_batches_are_skipped_named_and_rolled_back(trainer):
     assert all(e["first_nonfinite_module"] == "model.embed_tokens" for e in bad)
     assert bad[-1]["skipped_total"] == 4 and r.result.skipped_steps == 4
     rollback = events(r.metrics, "rollback")
-    assert len(rollback) == 1 and rollback[0]["step"] == 14 and rollback[0]["to"] == "step-10"
+    assert len(rollback) == 1 and rollback[0]["step"] == 14 and "-step10-" in rollback[0]["to"]
     assert all(s["stepped"] for s in read_records(r.metrics)[0] if s["step"] in (15, 16))
 
 
