@@ -20,13 +20,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-# Debian's headless Chromium for the eval report's screenshot test; once per machine (root, or sudo).
+# Debian packages the tests need, once per machine (root, or sudo): headless Chromium for the
+# eval report's screenshot test, g++ for the inductor test (the compiler the image installs).
 browser:
-	@command -v chromium >/dev/null 2>&1 || { \
+	@{ command -v chromium && command -v g++; } >/dev/null 2>&1 || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
-		echo "installing chromium (Debian package) for the report screenshot test"; \
+		echo "installing chromium and g++ (Debian packages) for the tests"; \
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive \
-			apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null; }
+			apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core g++ >/dev/null; }
 
 run: install            ## the tiny CPU experiment, all five stages through kfp.local
 	$(BIN)/liftoff run $(ARGS)

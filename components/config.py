@@ -208,7 +208,8 @@ class PreflightConfig:
     allreduce_sizes_mb_gpu: list[float] = MISSING
     read_probe_mb: int = MISSING  # a ranged read of one data shard, timed on every node
     zscore_threshold: float = MISSING
-    floors: dict[str, float] = MISSING  # metric -> absolute minimum
+    floors: dict[str, float] = MISSING  # metric -> absolute minimum, over the device's (device_floors)
+    device_floors: bool = MISSING  # cluster.gpu_type's absolute floors (components/devices.py) apply too
     min_healthy_nodes: int = MISSING
     memory_safety: float = MISSING
     device_memory_gb: float | None = MISSING  # None: measured (GPU) or host memory (CPU)
@@ -254,18 +255,67 @@ class ClusterConfig:
     max_restarts: int = MISSING
     node_selector: dict[str, str] = MISSING
     gpu_type: str | None = MISSING  # "H200": the planner's device (components/devices.py); None: none known
+    # the fabric and the disks, on every replica pod (components/k8s.py `finish_job`)
+    extra_resources: dict[str, int] = MISSING  # requested = limit per replica: {rdma/ib: 8}
+    capabilities: list[str] = MISSING  # added to each replica container: [IPC_LOCK] for RDMA
+    pod_annotations: dict[str, str] = MISSING  # Multus: {k8s.v1.cni.cncf.io/networks: ...}
+    env: dict[str, str] = MISSING  # NCCL_* / GLOO_* / UCX_* for every replica
+    host_network: bool = MISSING  # the node's network namespace (RDMA without Multus)
+    volumes: list[VolumeConfig] = MISSING  # the data cache and node checkpoints: local NVMe, a PVC, emptyDir
+    ephemeral_storage_gb: int = MISSING  # requested per replica for its writable layer (0: none)
+    job_ttl_s: int = MISSING  # Volcano deletes a finished job after this long (ttlSecondsAfterFinished)
+    pending_timeout_s: float = MISSING  # a gang unscheduled this long fails the attempt, naming why
 
     def check(self) -> list[str]:
         from components.devices import DEVICES, device
 
         known = ", ".join(d.key for d in DEVICES)
+        reserved = sorted(k for k in self.env if k in RESERVED_ENV or k.startswith(("TORCHX_", "LIFTOFF_")))
+        names = [v.name for v in self.volumes]
+        bad_env = sorted(k for k in self.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))
         return failed([
             ("cluster.gpu_type", self.gpu_type is None or device(self.gpu_type) is not None,
              f"unknown {self.gpu_type!r}: one of {known}, or null (then preflight.device_memory_gb "
              "and train.peak_tflops)"),
             ("cluster.image_pull_policy", self.image_pull_policy in PULL_POLICIES,
              f"must be one of {', '.join(PULL_POLICIES)}, got {self.image_pull_policy!r}"),
-        ])  # fmt: skip
+            ("cluster.env", not reserved, f"{', '.join(reserved)} set by liftoff itself: not configurable"),
+            ("cluster.env", not bad_env, f"not an environment variable name: {', '.join(bad_env)}"),
+            ("cluster.volumes", len(set(names)) == len(names) and "dshm" not in names,
+             f"names must be unique and not dshm (the /dev/shm volume), got {names}"),
+        ] + [rule for v in self.volumes for rule in v.rules()])  # fmt: skip
+
+
+VOLUME_KINDS = ("emptyDir", "hostPath", "pvc")
+RESERVED_ENV = ("MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ENDPOINT", "NODE_NAME", "OMP_NUM_THREADS")
+
+
+@dataclass
+class VolumeConfig:
+    """One volume on every replica pod: `emptyDir` (size_gb: its sizeLimit, and requested as
+    ephemeral storage; medium Memory for tmpfs), `hostPath` (host_path: a node's local NVMe)
+    or `pvc` (claim_name: a PersistentVolumeClaim in the run's namespace)."""
+
+    name: str = MISSING
+    mount_path: str = MISSING
+    kind: str = "emptyDir"
+    size_gb: int | None = None
+    medium: str = ""
+    host_path: str | None = None
+    claim_name: str | None = None
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        key = f"cluster.volumes[{self.name}]"
+        return [
+            (key, bool(re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.name)),
+             "name must be a DNS label (lowercase letters, digits, '-')"),
+            (key, self.kind in VOLUME_KINDS, f"kind must be one of {', '.join(VOLUME_KINDS)}, got {self.kind!r}"),
+            (key, self.mount_path.startswith("/"), f"mount_path must be absolute, got {self.mount_path!r}"),
+            (key, self.kind != "hostPath" or bool(self.host_path), "kind hostPath needs host_path"),
+            (key, self.kind != "pvc" or bool(self.claim_name), "kind pvc needs claim_name"),
+            (key, self.size_gb is None or self.size_gb > 0, f"size_gb must be > 0, got {self.size_gb}"),
+            (key, self.medium in ("", "Memory"), f"medium must be '' or Memory, got {self.medium!r}"),
+        ]  # fmt: skip
 
 
 @dataclass
@@ -293,6 +343,10 @@ class KfpConfig:
     service_account: str | None = MISSING  # runs execute as this (TorchX needs to create Volcano jobs)
     pipeline_name: str = MISSING
     wait_timeout_s: float = MISSING  # `liftoff submit --wait` gives up after this long
+    task_cpu: float = MISSING  # CPU request of every KFP task's pod (requests: never BestEffort, evicted first)
+    task_memory_gb: float = MISSING  # memory request of every KFP task's pod ...
+    eval_memory_gb: float = MISSING  # ... but validate and evaluate, which load the model in their own pod
+    task_retries: int = MISSING  # KFP reruns a task whose pod failed (evicted, its node lost)
 
     def check(self) -> list[str]:
         return failed([("kfp.pipeline_name", bool(self.pipeline_name.strip()), "must not be empty")])
@@ -406,8 +460,16 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "cluster.mem_mb": ">= 1",
     "cluster.rdzv_port": ("[0, 65535]", "0: a free port per job"),
     "cluster.max_restarts": ">= 0",
+    "cluster.extra_resources": ">= 1",
+    "cluster.ephemeral_storage_gb": (">= 0", "0: no request"),
+    "cluster.job_ttl_s": ">= 0",
+    "cluster.pending_timeout_s": "> 0",
     "store.timeout_s": "> 0",
     "kfp.wait_timeout_s": "> 0",
+    "kfp.task_cpu": "> 0",
+    "kfp.task_memory_gb": "> 0",
+    "kfp.eval_memory_gb": "> 0",
+    "kfp.task_retries": ">= 0",
 }
 NOT_BOUNDED = {"data.split_seed": "any int keys the split's hash"}
 
@@ -613,5 +675,9 @@ def as_plain_dict(group) -> dict:
 
 
 def drop_none(d: dict) -> dict:
-    """Without its None values, recursively (KFP parameters cannot hold None)."""
-    return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+    """Without its None values, recursively, in lists too (KFP parameters cannot hold None)."""
+
+    def clean(v):
+        return drop_none(v) if isinstance(v, dict) else [clean(x) for x in v] if isinstance(v, list) else v
+
+    return {k: clean(v) for k, v in d.items() if v is not None}

@@ -63,3 +63,18 @@ def peak_tflops(device_name: str, dtype: str = "bf16") -> float | None:
 def busbw_gbps(d: Device, nodes: int) -> float:
     """The assumed all-reduce bus bandwidth per GPU of a job over `nodes` nodes."""
     return d.intra_node_busbw_gbps if nodes == 1 else d.inter_node_busbw_gbps
+
+
+# Preflight's absolute floors are this fraction of the table's figures: a healthy H100/H200
+# reaches 60-75% of its dense bf16 peak in a large GEMM and nccl-tests' busbw near the
+# assumption, so 40% leaves room for a benchmark's noise and still fails a throttled device
+# or NCCL on TCP sockets (a 25-100 Gb/s pod network: 3-12 GB/s against 50 assumed).
+FLOOR_FRACTION = 0.4
+
+
+def preflight_floors(d: Device, nodes: int) -> dict[str, float]:
+    """The absolute minimum each preflight metric must reach on this device, whatever the rest
+    of the fleet measures (a fleet all on TCP agrees with itself)."""
+    floors = {f"gemm_tflops_{dtype}": FLOOR_FRACTION * peak for dtype, peak in d.peak_tflops.items()}
+    floors["allreduce_busbw_gbps"] = FLOOR_FRACTION * busbw_gbps(d, nodes)
+    return floors

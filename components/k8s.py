@@ -1,6 +1,7 @@
 """What liftoff asks of Kubernetes: the finishing touches on the Volcano jobs TorchX
-generates, the lifecycle calls around them, and the list of every API call liftoff's pods
-make, which `deploy/rbac.yaml` grants to the one service account they run as."""
+generates, the lifecycle calls around them, and the list of every API call a run's KFP pods
+make (liftoff's own, `ACCESS`, and KFP's driver and launcher's, `KFP_ACCESS`), which
+`deploy/rbac.yaml` grants to the account they run as; the replicas' account holds none."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SERVICE_ACCOUNT = "liftoff"
+SERVICE_ACCOUNT = "liftoff"  # the KFP tasks (drivers): every call in ACCESS and KFP_ACCESS
+REPLICA_SERVICE_ACCOUNT = "liftoff-replica"  # the TorchX replicas: no API rights at all
 JOB_LABEL = "liftoff.dev/job"  # the stage's job name (train-<identity[:8]>): every run of one config shares it
 LAUNCH_LABEL = "liftoff.dev/launch"  # the driver's own launch id: which run a vcjob belongs to
 ATTEMPT_LABEL = "liftoff.dev/attempt"  # that launch's attempt (0, then each relaunch after a failure)
@@ -22,6 +24,18 @@ DRIVER_POD_ENV = (("KFP_POD_NAME", "KFP_POD_UID"), ("POD_NAME", "POD_UID"))
 # env name in the replica -> key in the Secret `store.secret_name` (deploy/minio-secret.yaml)
 STORE_SECRET_KEYS = {"MINIO_ACCESS_KEY": "accesskey", "MINIO_SECRET_KEY": "secretkey", "MINIO_ENDPOINT": "endpoint"}
 NODE_NAME_FROM_POD = "[FIELD_PATH]spec.nodeName"  # TorchX turns this into a fieldRef env value
+# Volcano's reaction to a pod's end (events and actions: volcano-sh/apis v1.15
+# pkg/apis/bus/v1alpha1/{events,actions}.go). With no policy a failed pod changes nothing: the
+# job stays Running until every pod has ended (volcano-sh/volcano pkg/controllers/job/state/
+# running.go, the default branch), so the survivors would sit in a collective until the
+# watchdog fires. Here a replica failed or deleted (PodEvicted is sent on a pod's deletion,
+# job_controller_handler.go) aborts the whole job at once; the driver sees it end (TorchX maps
+# Aborted to CANCELLED) and relaunches it (cluster.max_restarts), resuming from the store: one
+# restart mechanism, never Volcano's RestartJob beside the driver's. TorchX's `maxRetry: 0` is
+# rewritten to 3 by Volcano's webhook (pkg/webhooks/admission/jobs/mutate/mutate_job.go), which
+# matters only to RestartJob: AbortJob never retries. No TaskCompleted -> CompleteJob: rank 0's
+# task may end while the others still upload their checkpoint shards.
+JOB_POLICIES = ({"event": "PodEvicted", "action": "AbortJob"}, {"event": "PodFailed", "action": "AbortJob"})
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -33,6 +47,7 @@ class Access:
     verb: str
     why: str
     cluster_scoped: bool = False
+    names: tuple[str, ...] = ()  # resourceNames: only these objects (empty: any)
 
 
 ACCESS = (
@@ -46,13 +61,29 @@ ACCESS = (
     Access("", "pods", "get", "TorchX describe reads replica IPs; log streaming; is a job's driver alive"),
     Access("", "pods", "list", "log streaming finds a replica's pod"),
     Access("", "pods", "watch", "log streaming waits for the pod to start"),
-    Access("", "pods", "patch", "the KFP launcher annotates its own pod"),
     Access("", "pods/log", "get", "the driver streams every replica's log"),
-    Access("argoproj.io", "workflowtaskresults", "create", "the Argo executor of every KFP task"),
-    Access("argoproj.io", "workflowtaskresults", "patch", "the Argo executor of every KFP task"),
+    Access("scheduling.volcano.sh", "podgroups", "list", "a job left pending: its PodGroup's conditions say why"),
+    Access("", "events", "list", "a job left pending: the scheduler's warnings on its pods"),
     Access("", "nodes", "get", "preflight quarantine reads the node", cluster_scoped=True),
     Access("", "nodes", "patch", "preflight quarantine labels and taints it", cluster_scoped=True),
 )
+
+
+# The calls KFP's own code makes with the run's service account (`kfp.service_account`): every
+# workflow pod of a run, KFP's driver and launcher beside liftoff's component, runs as it. From
+# kubeflow/pipelines at 2.14.0-2.17.0 and argo-workflows 3.5-3.7 (the versions KFP ships).
+# PVC tasks (CreatePVC) and run-time placeholders (workflows get) are not used by this pipeline.
+KFP_ACCESS = (
+    Access("", "configmaps", "get", "KFP's root driver reads its launcher config; NotFound is defaults, Forbidden "
+           "fails the run (backend/src/v2/config/env.go, driver/root_dag.go)", names=("kfp-launcher",)),
+    Access("", "secrets", "get", "KFP's launcher opens the artifact bucket with these keys "
+           "(backend/src/v2/objectstore/object_store.go@2.14.0)", names=("mlpipeline-minio-artifact",)),
+    Access("", "pods", "get", "KFP's launcher reads its own pod for the retry index (launcher_v2.go@2.17.0)"),
+    Access("", "pods", "patch", "Argo's executor falls back to annotating its pod (executor.go@v3.5.14)"),
+    Access("argoproj.io", "workflowtaskresults", "create", "Argo's executor reports each task's outputs "
+           "(argo-workflows docs/workflow-rbac.md@v3.5.14)"),
+    Access("argoproj.io", "workflowtaskresults", "patch", "Argo's executor reports each task's outputs"),
+)  # fmt: skip
 
 
 def namespace(configured: str | None) -> str:
@@ -128,6 +159,9 @@ def finish_job(
     resource["metadata"].setdefault("labels", {}).update(labels)
     if owner:
         resource["metadata"]["ownerReferences"] = [owner]
+    resource["spec"]["policies"] = [dict(p) for p in JOB_POLICIES]
+    if cluster.job_ttl_s:
+        resource["spec"]["ttlSecondsAfterFinished"] = cluster.job_ttl_s
     for task in resource["spec"]["tasks"]:
         pod_name = f"{resource['metadata']['name']}-{task['name']}-0"
         if len(pod_name) > 63:
@@ -142,6 +176,8 @@ def finish_job(
             spec.affinity = _away_from(sorted(exclude_nodes))
         if cluster.image_pull_secrets:
             spec.image_pull_secrets = [V1LocalObjectReference(name=n) for n in cluster.image_pull_secrets]
+        spec.automount_service_account_token = False  # the replicas call no Kubernetes API
+        _fabric(pod, cluster)
         for container in spec.containers:
             container.image_pull_policy = cluster.image_pull_policy
             env = [e for e in container.env or [] if e.name not in STORE_SECRET_KEYS]
@@ -154,6 +190,56 @@ def finish_job(
                 ]
             container.env = env
     return resource
+
+
+def _fabric(pod, cluster) -> None:
+    """The network and the disks a replica needs beyond what TorchX sets: extra device
+    resources (RDMA NICs), capabilities, pod annotations (Multus), the host network, volumes
+    for the data cache and node checkpoints, an ephemeral-storage request. (`cluster.env`, the
+    NCCL/GLOO variables, is declared with the role's environment, on every scheduler.)"""
+    from kubernetes.client import (
+        V1Capabilities,
+        V1EmptyDirVolumeSource,
+        V1HostPathVolumeSource,
+        V1PersistentVolumeClaimVolumeSource,
+        V1SecurityContext,
+        V1Volume,
+        V1VolumeMount,
+    )
+
+    spec = pod.spec
+    if cluster.pod_annotations:
+        pod.metadata.annotations = {**(pod.metadata.annotations or {}), **dict(cluster.pod_annotations)}
+    if cluster.host_network:
+        spec.host_network = True
+        spec.dns_policy = "ClusterFirstWithHostNet"  # service names (the store) still resolve
+    for v in cluster.volumes:
+        if v.kind == "emptyDir":
+            source = {"empty_dir": V1EmptyDirVolumeSource(medium=v.medium or None, size_limit=_gi(v.size_gb))}
+        elif v.kind == "hostPath":
+            source = {"host_path": V1HostPathVolumeSource(path=v.host_path, type="DirectoryOrCreate")}
+        else:
+            source = {"persistent_volume_claim": V1PersistentVolumeClaimVolumeSource(claim_name=v.claim_name)}
+        spec.volumes = [*(spec.volumes or []), V1Volume(name=v.name, **source)]
+    scratch = sum(v.size_gb or 0 for v in cluster.volumes if v.kind == "emptyDir" and not v.medium)
+    for container in spec.containers:
+        resources = container.resources
+        for name, count in {**dict(cluster.extra_resources)}.items():
+            resources.limits[name] = resources.requests[name] = str(count)
+        if storage := cluster.ephemeral_storage_gb + scratch:  # an emptyDir on disk counts as ephemeral
+            resources.requests["ephemeral-storage"] = _gi(storage)
+        if cluster.capabilities:
+            context = container.security_context or V1SecurityContext()
+            context.capabilities = V1Capabilities(add=sorted(cluster.capabilities))
+            container.security_context = context
+        container.volume_mounts = [
+            *(container.volume_mounts or []),
+            *(V1VolumeMount(name=v.name, mount_path=v.mount_path) for v in cluster.volumes),
+        ]
+
+
+def _gi(gb: int | None) -> str | None:
+    return f"{gb}Gi" if gb else None
 
 
 def _away_from(nodes: list[str]):
@@ -239,3 +325,30 @@ def _orphaned(core, ns: str, meta: dict) -> str | None:
         if pod.status is not None and pod.status.phase in ("Succeeded", "Failed"):
             return f"driver pod {ref['name']}, which has ended ({pod.status.phase})"
     return None
+
+
+def why_unscheduled(ns: str, job: str, api=None, core=None) -> str:
+    """Why Volcano holds a job's gang: its PodGroup's conditions (`Unschedulable`, with the
+    scheduler's message: "2/2 tasks in gang unschedulable: ... 2 Insufficient nvidia.com/gpu")
+    and the newest warning events on the PodGroup and the job's pods."""
+    if api is None or core is None:
+        api, core = _apis()
+    groups = api.list_namespaced_custom_object("scheduling.volcano.sh", "v1beta1", ns, "podgroups")
+    mine = [
+        g
+        for g in groups.get("items", [])
+        if any(r.get("name") == job for r in g["metadata"].get("ownerReferences") or [])
+    ]
+    reasons = []
+    for group in mine:
+        status = group.get("status") or {}
+        for c in status.get("conditions") or []:
+            if c.get("type") == "Unschedulable" and c.get("status", "True") == "True":
+                reasons.append(f"PodGroup {group['metadata']['name']}: {c.get('reason', '')}: {c.get('message', '')}")
+        if not reasons and status.get("phase"):
+            reasons.append(f"PodGroup {group['metadata']['name']} is {status['phase']}")
+    events = core.list_namespaced_event(ns, field_selector="type=Warning").items
+    about = [e for e in events if (e.involved_object.name or "").startswith(job)]
+    about.sort(key=lambda e: str(e.last_timestamp or e.event_time or ""))
+    reasons += [f"{e.involved_object.kind} {e.involved_object.name}: {e.reason}: {e.message}" for e in about[-3:]]
+    return "; ".join(reasons) or f"no PodGroup or event names a reason (kubectl describe podgroup -n {ns})"

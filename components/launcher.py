@@ -199,6 +199,7 @@ def build_app(module: str, spec: WorkerSpec, cluster: ClusterConfig, name: str, 
             "OMP_NUM_THREADS": str(threads_per_process(cluster)),
             "LOGLEVEL": "WARNING",
             "PYTHONWARNINGS": QUIET_WARNINGS,
+            **dict(cluster.env),  # NCCL_* / GLOO_*: declared like every other variable, on every node
             **plugin_env(),
             **env,
         },
@@ -345,9 +346,10 @@ def _cancelled_unless_finished(runner, handle: str, name: str):
 def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40):
     """Stream every replica's log until the job ends; (final status, each replica's last lines,
     the failures its processes reported: `FAILURE_MARK` lines, kept apart from the bounded
-    tail). A replica's stream is retried while the job runs: its pod may not exist yet. A
-    stream that failed gets one last read after the job ended: a replica that crashed before
-    its log could be read has its log by then."""
+    tail). A replica's stream is retried (or reopened, when it ends) while the job runs: its
+    pod may not exist yet, and a long follow may be closed by the API server. Every stream
+    gets one last read after the job ended: a replica that crashed before its log could be
+    read has its log by then."""
 
     done = threading.Event()
     tails = {k: deque(maxlen=tail_lines * 10) for k in range(launch.cluster.nodes)}
@@ -366,7 +368,12 @@ def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40
                             failures[k].append(failure)
                         print(f"[{launch.name}/{k}] {line}", flush=True)
                         seen += 1
-                return
+                if last:
+                    return
+                # the stream ended while the job runs: the replica's container ended, or the API
+                # server closed a long follow (its timeout, a restart). Reopened until the job
+                # ends; the lines already printed are skipped, and one last read follows the end
+                done.wait(5.0)
             except Exception as e:  # log streaming must never hide the job's own outcome
                 if last:
                     tails[k].append(f"(log stream ended: {e})")
@@ -376,11 +383,45 @@ def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40
     streams = [threading.Thread(target=stream, args=(k,), daemon=True) for k in tails]
     for t in streams:
         t.start()
-    status = runner.wait(handle, wait_interval=1)
-    done.set()
+    try:
+        status = _wait(runner, handle, launch)
+    finally:
+        done.set()
     for t in streams:
         t.join(timeout=10)
     return status, tails, failures
+
+
+def _wait(runner, handle: str, launch: Launch, interval: float = 1.0):
+    """runner.wait, with a bound on how long the job may stay unscheduled: a gang that does not
+    fit (its nodes excluded, a resource no node has) would otherwise pend forever. After
+    `cluster.pending_timeout_s` in PENDING the attempt fails naming why Volcano holds it."""
+    from torchx.specs import AppState
+
+    since = time.monotonic()
+    while True:
+        status = runner.status(handle)
+        if status is None or status.is_terminal():
+            return status
+        if status.state not in (AppState.SUBMITTED, AppState.PENDING, AppState.UNSUBMITTED):
+            since = time.monotonic()  # it ran: only an unbroken wait in the queue counts
+        elif time.monotonic() - since > launch.cluster.pending_timeout_s:
+            why = _why_pending(handle, launch)
+            raise LaunchError(
+                f"{launch.name} still unscheduled after {launch.cluster.pending_timeout_s:g}s "
+                f"(cluster.pending_timeout_s): {why}"
+            )
+        time.sleep(interval)
+
+
+def _why_pending(handle: str, launch: Launch) -> str:
+    if launch.cluster.scheduler != Scheduler.kubernetes:
+        return "the job's processes never started"
+    namespace, _, name = handle.rpartition("/")[2].partition(":")
+    try:
+        return k8s.why_unscheduled(namespace, name)
+    except Exception as e:  # the diagnosis must never hide the timeout itself
+        return f"Volcano's reason could not be read ({type(e).__name__}: {e})"
 
 
 def _raise_unless_succeeded(name: str, status, tails: dict, tail_lines: int, failures: dict | None = None) -> None:

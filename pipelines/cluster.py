@@ -35,6 +35,41 @@ def compile_pipeline(cfg: DictConfig, path: Path) -> Path:
     return path
 
 
+def refuse_unrunnable(cfg: DictConfig) -> None:
+    """A cluster run that cannot work, refused before anything is compiled or sent, in one
+    line: a local store on Kubernetes (every pod would write its own disk, and no stage would
+    see another's artifacts), one process for several GPUs (the tiny preset's procs_per_node=1
+    beside cluster.gpu=8: 7 idle), or a plan that does not fit the device."""
+    from omegaconf import OmegaConf
+
+    from components.config import ConfigError, Scheduler, StoreBackend
+    from components.preflight import plan as planner
+
+    typed = OmegaConf.to_object(cfg)
+    c, problems = typed.cluster, []
+    if c.scheduler == Scheduler.kubernetes:
+        if typed.store.backend == StoreBackend.local:
+            problems.append(
+                "store.backend=local with cluster.scheduler=kubernetes: each pod would keep its own store "
+                "and no stage would see another's artifacts; use store=minio (any S3 endpoint)"
+            )
+        if c.gpu > 0 and c.procs_per_node != c.gpu:
+            problems.append(
+                f"cluster.procs_per_node={c.procs_per_node} with cluster.gpu={c.gpu}: training runs one "
+                f"process per GPU; set cluster.procs_per_node={c.gpu} (or a cluster preset: experiment=h200-7b)"
+            )
+    p, device = planner.plan_for(typed)
+    if not planner.fits(p, device.memory_gb, typed.preflight.memory_safety):
+        budget = device.memory_gb * typed.preflight.memory_safety
+        problems.append(
+            f"the plan does not fit: {p.total_gb:.1f} GB per device > {budget:.1f} GB ({device.name}, "
+            f"preflight.memory_safety={typed.preflight.memory_safety}); "
+            "`liftoff plan` with these overrides suggests a fix"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def render(cfg: DictConfig, out: Path = BUILD) -> list[Path]:
     """What a cluster run would create, for review (like `helm template`) and schema tests:
     the compiled pipeline and TorchX's own Kubernetes dry run of the train and preflight jobs.
@@ -47,6 +82,7 @@ def render(cfg: DictConfig, out: Path = BUILD) -> list[Path]:
     from components.preflight.stage import preflight_launch
     from components.train.stage import train_launch
 
+    refuse_unrunnable(cfg)
     typed = OmegaConf.to_object(cfg)
     dataset = f"dataset/{typed.data.name}@RENDERED"
     namespace = typed.cluster.namespace or "default"
@@ -114,11 +150,31 @@ def wait(cfg: DictConfig, run_id: str, timeout_s: float) -> str:
     return str(run.state)
 
 
+def checked_backend(cfg: DictConfig, kfp_client, package: Path) -> None:
+    """Refuse a backend older than the compiled pipeline needs (pipelines/kfp_features.py), in
+    one line naming the feature; warn when the backend does not report its version."""
+    import sys
+
+    from pipelines import kfp_features
+
+    host = cfg.kfp.host or os.environ.get("KF_PIPELINES_ENDPOINT")
+    version = _call(lambda: kfp_features.backend_version(kfp_client), cfg)
+    spec, platform = kfp_features.read_ir(package)
+    try:
+        warning = kfp_features.check_backend(version, spec, platform, host)
+    except kfp_features.BackendTooOld as e:
+        raise KfpError(str(e)) from None
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def upload(cfg: DictConfig) -> str:
     """Upload the pipeline, or a new version named <git commit>-<config hash>; a no-op when it exists."""
+    refuse_unrunnable(cfg)
     kfp_client = client(cfg)
     version = f"{short_commit(code_version())}-{config_hash(cfg)}"
     package = compile_pipeline(cfg, BUILD / "pretrain.yaml")
+    checked_backend(cfg, kfp_client, package)
     name = cfg.kfp.pipeline_name
     pipeline_id = _call(lambda: kfp_client.get_pipeline_id(name), cfg)
     if pipeline_id is None:
@@ -140,8 +196,10 @@ def upload(cfg: DictConfig) -> str:
 
 
 def submit(cfg: DictConfig, job_overrides: list[str], experiment: str) -> str:
+    refuse_unrunnable(cfg)
     kfp_client = client(cfg)
     package = compile_pipeline(cfg, BUILD / f"pretrain-{config_hash(cfg)}.yaml")
+    checked_backend(cfg, kfp_client, package)
     shown = [o for o in job_overrides if not o.lstrip("+~").startswith("kfp.")]
     run_name = f"liftoff {' '.join(shown) or 'defaults'}"[:120]
     run = _call(

@@ -23,11 +23,19 @@ from components.train.component import train as train_op
 from components.validate.component import validate as validate_op
 
 
-def on_cluster(task: dsl.PipelineTask, cfg: Any) -> dsl.PipelineTask:
-    """What every task needs on Kubeflow: the stage image and its pull policy, store
-    credentials from a Secret (never a parameter) and a RAM-backed /dev/shm."""
+def on_cluster(task: dsl.PipelineTask, cfg: Any, memory_gb: float | None = None) -> dsl.PipelineTask:
+    """What every task needs on Kubeflow: the stage image, its pull policy and pull secrets,
+    store credentials from a Secret (never a parameter), a RAM-backed /dev/shm, resource
+    requests (a BestEffort pod is the first evicted) and retries (an evicted or lost driver
+    pod reruns; train resumes from the store and deletes its orphaned job first)."""
     task.set_container_image(cfg.cluster.image)
     kubernetes.set_image_pull_policy(task, cfg.cluster.image_pull_policy)
+    if cfg.cluster.image_pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(cfg.cluster.image_pull_secrets))
+    task.set_cpu_request(f"{cfg.kfp.task_cpu:g}")
+    task.set_memory_request(f"{memory_gb or cfg.kfp.task_memory_gb:g}G")
+    if cfg.kfp.task_retries:
+        task.set_retry(cfg.kfp.task_retries, backoff_duration="30s", backoff_factor=2.0, backoff_max_duration="600s")
     kubernetes.use_secret_as_env(
         task,
         secret_name=cfg.store.secret_name,
@@ -79,9 +87,15 @@ def build_pipeline(cfg: Any):
             ),
             cfg,
         )
-        validated = on_cluster(validate_op(trained_model=trained.outputs["trained_model"], eval=eval, store=store), cfg)
+        validated = on_cluster(
+            validate_op(trained_model=trained.outputs["trained_model"], eval=eval, store=store),
+            cfg,
+            cfg.kfp.eval_memory_gb,
+        )
         evaluated = on_cluster(
-            evaluate_op(validated_model=validated.outputs["validated_model"], eval=eval, store=store), cfg
+            evaluate_op(validated_model=validated.outputs["validated_model"], eval=eval, store=store),
+            cfg,
+            cfg.kfp.eval_memory_gb,
         )
         return evaluated.outputs["Output"]
 

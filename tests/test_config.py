@@ -125,8 +125,10 @@ def test_unknown_keys_suggest_the_nearest_key(override, message, capsys):
 
 def test_keys_inside_dict_fields_stay_open():
     """`+` is how a key is added inside a dict field; the unknown-key check leaves those alone."""
-    cfg = compose(["+preflight.floors.storage_mb_s=5", "+cluster.node_selector={pool: gpu}", "hydra.verbose=true"])
-    assert cfg.preflight.floors.storage_mb_s == 5 and cfg.cluster.node_selector == {"pool": "gpu"}
+    cfg = compose(["+cluster.env.NCCL_DEBUG=WARN", "+cluster.node_selector={pool: gpu}", "hydra.verbose=true"])
+    assert cfg.cluster.env.NCCL_DEBUG == "WARN" and cfg.cluster.node_selector == {"pool": "gpu"}
+    cfg = compose(["+preflight.floors.storage_read_mbps=5"])
+    assert cfg.preflight.floors == {"storage_read_mbps": 5}
 
 
 def test_heads_rules_read_forwards(capsys):

@@ -141,6 +141,23 @@ def test_bucket_has_versioning_and_overwrites_are_kept(s3_env, tmp_path):
     assert len(versions) == 2
 
 
+def test_an_existing_bucket_is_used_as_it_is_never_reconfigured(s3_env, tmp_path):
+    """Issue 22: a bucket made by a deploy step (or KFP's own) is opened without make_bucket or
+    a versioning change, the calls a least-privilege user may not make: the bucket made here with
+    versioning off still has it off after liftoff opened it and published into it."""
+    from components.store.s3 import Connection
+    from tests.conftest import store_config
+
+    cfg = store_config("minio", tmp_path)
+    client = Connection.from_config(cfg).client()
+    client.make_bucket(cfg.bucket)
+    assert client.get_bucket_versioning(cfg.bucket).status in (None, "Off")  # never enabled
+    store = open_store(cfg)
+    store.publish("dataset", "kept", "v1", make_tree(tmp_path / "src", "x"))
+    assert client.get_bucket_versioning(cfg.bucket).status in (None, "Off")  # never enabled
+    assert store.resolve("dataset", "kept").ref.version == "v1"
+
+
 def test_unreachable_endpoint_fails_in_bounded_time_naming_it(monkeypatch, tmp_path):
     port = free_port()  # nothing listens here
     monkeypatch.setenv("MINIO_ACCESS_KEY", "a")

@@ -24,7 +24,7 @@ from components.launcher import Launch, replica_store, run_app
 from components.precision import recipe
 from components.preflight.plan import Plan, fits, format_plan, plan
 from components.preflight.spec import PreflightSpec
-from components.preflight.verdict import NodeVerdict, judge
+from components.preflight.verdict import NodeVerdict, floors_for, judge
 from components.store import ArtifactStore, Ref
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,8 @@ def run_preflight(
     run_app(launch)
     published = store.manifest(Ref("preflight", spec.name, spec.run_id))
     nodes = json.loads((store.fetch(published) / "nodes.json").read_text())
-    verdicts = judge(nodes, cfg)
+    floors, floors_from = floors_for(cfg, cluster.gpu_type, cluster.nodes)
+    verdicts = judge(nodes, cfg, floors, floors_from)
     healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes
     tflops, busbw = plan_inputs(healthy_nodes, train.precision)
     device_gb = cfg.device_memory_gb or min(n["device_memory_gb"] for n in nodes)

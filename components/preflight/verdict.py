@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,7 +30,41 @@ def perf_metrics(node: dict) -> dict[str, float]:
     return {k: float(v) for k, v in node.items() if k.startswith(PERF_PREFIXES) and isinstance(v, (int, float))}
 
 
-def judge(nodes: list[dict], cfg: PreflightConfig) -> list[NodeVerdict]:
+BUSBW = "allreduce_busbw_gbps"  # a floor on it holds the largest message measured (the bandwidth-bound one)
+
+
+def floors_for(cfg: PreflightConfig, gpu_type: str | None, nodes: int) -> tuple[dict[str, float], str]:
+    """(metric -> absolute minimum, where they come from): the floors of `cluster.gpu_type`
+    from the device table (`preflight.device_floors`), with `preflight.floors` over them."""
+    from components.devices import FLOOR_FRACTION, device, preflight_floors
+
+    d = device(gpu_type) if gpu_type and cfg.device_floors else None
+    own = dict(cfg.floors or {})
+    if d is None:
+        return own, "preflight.floors"
+    where = f"{FLOOR_FRACTION:.0%} of cluster.gpu_type={gpu_type}'s figures (devices.py)"
+    return {**preflight_floors(d, nodes), **own}, where + (", preflight.floors over them" if own else "")
+
+
+def metric_value(node: dict, metric: str) -> float | None:
+    if metric in node and isinstance(node[metric], int | float):
+        return float(node[metric])
+    if metric == BUSBW:
+        sizes = [
+            (float(k[len(BUSBW) + 1 : -2]), float(v)) for k, v in node.items() if re.fullmatch(rf"{BUSBW}_[\d.]+mb", k)
+        ]
+        return max(sizes)[1] if sizes else None
+    return None
+
+
+def judge(
+    nodes: list[dict],
+    cfg: PreflightConfig,
+    floors: dict[str, float] | None = None,
+    floors_from: str = "preflight.floors",
+) -> list[NodeVerdict]:
+    """`floors`: the absolute minimums (`floors_for`); None: `preflight.floors` as given."""
+    floors = dict(cfg.floors or {}) if floors is None else floors
     verdicts = [NodeVerdict(n["rank"], n["host"]) for n in nodes]
     for i, (node, verdict) in enumerate(zip(nodes, verdicts, strict=True)):
         for metric, value in perf_metrics(node).items():
@@ -40,9 +75,10 @@ def judge(nodes: list[dict], cfg: PreflightConfig) -> list[NodeVerdict]:
                     f"{metric}={value:.4g} is {-z:.1f} robust SDs below the other nodes' median "
                     f"{statistics.median(peers):.4g} (preflight.zscore_threshold={cfg.zscore_threshold})"
                 )
-        for metric, floor in cfg.floors.items():
-            if metric in node and float(node[metric]) < floor:
-                verdict.fail(f"{metric}={float(node[metric]):.4g} is below the floor {floor:g}")
+        for metric, floor in floors.items():
+            value = metric_value(node, metric)
+            if value is not None and value < floor:
+                verdict.fail(f"{metric}={value:.4g} is below the floor {floor:g} ({floors_from})")
         if node.get("storage_probe_ok") is False:
             verdict.fail("storage write/read/delete probe returned different bytes")
     for key in MUST_MATCH:

@@ -137,17 +137,27 @@ class MinioBackend:
         return cls(Connection.from_config(cfg), cfg.bucket, cfg.root, create)
 
     def _ensure_bucket(self) -> None:
+        """Make the bucket, versioning on, only when it is missing: an existing bucket is a
+        deploy step's (deploy/README.md), and a least-privilege user may neither create buckets
+        nor read or set their versioning, so neither is ever asked of it."""
         from minio.commonconfig import ENABLED
         from minio.error import S3Error
         from minio.versioningconfig import VersioningConfig
 
+        if self.client.bucket_exists(self.bucket):
+            return
         try:
             self.client.make_bucket(self.bucket)
         except S3Error as e:
             if e.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise
-        if self.client.get_bucket_versioning(self.bucket).status != ENABLED:
+            return  # another writer made it first, and turns versioning on
+        try:
             self.client.set_bucket_versioning(self.bucket, VersioningConfig(ENABLED))
+        except S3Error as e:  # a server without versioning (some SeaweedFS releases): say so, go on
+            log.warning(
+                "store %s: could not turn on versioning for new bucket %s: %s", self.endpoint, self.bucket, e.code
+            )
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

@@ -8,7 +8,8 @@ and the job keeps running until every replica's have been answered; `fail_replic
 job Failed with that replica's task Failed and `FAIL_LINE` last in its log; `replica_logs`
 replaces a replica's log lines (each served as the API does, after an RFC 3339 timestamp);
 `on_status_read(n)` is called on the n-th job status read (a test sends the driver a signal
-from it).
+from it); `unschedulable` keeps every job Pending, its PodGroup's Unschedulable condition and a
+warning event carrying that message (as Volcano's gang plugin and job controller write them).
 
 For ownership: jobs are listed by their `labelSelector` (equality terms), every created job's
 name is kept in `created`, and `pods` are the pods besides the replicas' (a driver pod: name
@@ -41,6 +42,7 @@ class FakeK8s:
         on_status_read: Callable[[int], None] | None = None,
         replica_logs: dict[int, list[str]] | None = None,
         pods: dict[str, dict | None] | None = None,
+        unschedulable: str | None = None,
     ):
         self.calls: list[tuple[str, str, str]] = []  # (group, resource[/sub], verb)
         self.jobs: dict[str, dict] = {name: {"metadata": {"name": name}} for name in earlier_jobs}
@@ -55,6 +57,7 @@ class FakeK8s:
         self.log_reads: dict[int, list[int]] = {}  # replica -> the code each of its pod-log reads got
         self.fail_replica = fail_replica
         self.on_status_read = on_status_read
+        self.unschedulable = unschedulable  # every job stays Pending; its PodGroup says this
         self.lock = threading.Lock()
         fake = self
 
@@ -112,6 +115,20 @@ class FakeK8s:
         if resource == "pods":
             pod = {"metadata": {"name": name}, "spec": {"containers": [{"name": name.rsplit("-", 1)[0]}]}}
             return 200, {**pod, "status": {"phase": "Running", "podIP": "10.0.0.1"}}, None
+        if resource == "podgroups":  # Volcano names a job's PodGroup <job>-<uid>, owned by the job
+            return 200, {"items": [self._podgroup(j) for j in self.jobs.values() if "spec" in j]}, None
+        if resource == "events":
+            items = [
+                {
+                    "metadata": {"name": f"{name}.1"},
+                    "involvedObject": {"kind": "Job", "name": name},
+                    "reason": "PodGroupPending",
+                    "message": f"PodGroup {name} unschedulable, reason: {self.unschedulable}",
+                    "type": "Warning",
+                }
+                for name in self.created
+            ]
+            return 200, {"items": items if self.unschedulable else []}, None
         if resource == "nodes":
             return 200, {"metadata": {"name": name, "labels": {}}, "spec": {}}, None
         return 404, {"kind": "Status", "code": 404}, None
@@ -169,7 +186,20 @@ class FakeK8s:
             return 200, {**job, "status": self._status(job, n)}, None
         return 200, job, None
 
+    def _podgroup(self, job: dict) -> dict:
+        name = job["metadata"]["name"]
+        meta = {"name": f"{name}-0a1b", "ownerReferences": [{"kind": "Job", "name": name, "uid": "0a1b"}]}
+        if not self.unschedulable:
+            return {"metadata": meta, "status": {"phase": "Running"}}
+        condition = {"type": "Unschedulable", "status": "True", "reason": "NotEnoughResources"}
+        return {
+            "metadata": meta,
+            "status": {"phase": "Pending", "conditions": [{**condition, "message": self.unschedulable}]},
+        }
+
     def _status(self, job: dict, reads: int) -> dict:
+        if self.unschedulable and job.get("status", {}).get("state", {}).get("phase") != "Aborted":
+            return {"state": {"phase": "Pending"}, "taskStatusCount": {}}
         if job.get("status", {}).get("state", {}).get("phase") == "Aborted":  # cancelled
             return job["status"]
         done = reads > self.running_polls and not self._logs_pending()

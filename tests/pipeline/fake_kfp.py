@@ -1,5 +1,5 @@
 """A loopback HTTP server answering the KFP v2beta1 REST calls `upload` and `submit` make,
-recording each request so tests can assert what was sent."""
+recording each request so tests can assert what was sent; its healthz reports `version`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class FakeKfp:
         self.experiments: dict[str, dict] = {}
         self.runs: list[dict] = []
         self.final_state = "SUCCEEDED"  # what a run reports when `submit --wait` asks
+        self.version = "2.14.0"  # the backend release its healthz reports (tag_name)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -61,6 +62,14 @@ class FakeKfp:
         u = urlparse(path)
         q = {k: v[0] for k, v in parse_qs(u.query).items()}
         p = u.path
+        if method == "GET" and p in ("/apis/v2beta1/healthz", "/apis/v1beta1/healthz"):
+            # backend/src/apiserver/main.go: the raw body carries the release as tag_name
+            return {
+                "commit_sha": "0123abc",
+                "tag_name": self.version,
+                "multi_user": False,
+                "pipeline_store": "database",
+            }
         if method == "GET" and p == "/apis/v2beta1/pipelines":
             name = _filter_value(q.get("filter"))
             found = [x for x in self.pipelines.values() if name is None or x["display_name"] == name]

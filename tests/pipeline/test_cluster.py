@@ -23,8 +23,21 @@ CLUSTER = [
     "cluster=kubernetes",
     "store=minio",
     "cluster.nodes=2",
+    "cluster.procs_per_node=8",
     "cluster.image=registry.example.com/liftoff:0123456789",
     "+cluster.node_selector={nvidia.com/gpu.product:NVIDIA-H200}",
+]
+# the fabric and disks of an RDMA cluster, and a private registry: rendered into every object
+FABRIC = [
+    "cluster.image_pull_secrets=[regcred]",
+    "+cluster.extra_resources={rdma/rdma_shared_device_a:1}",
+    "cluster.capabilities=[IPC_LOCK]",
+    "+cluster.pod_annotations={k8s.v1.cni.cncf.io/networks:rdma-net}",
+    "+cluster.env={NCCL_IB_HCA:'=mlx5_0',NCCL_SOCKET_IFNAME:eth0}",
+    "cluster.volumes=[{name:scratch,mount_path:/scratch,kind:hostPath,host_path:/mnt/nvme},"
+    "{name:spill,mount_path:/spill,kind:emptyDir,size_gb:100},{name:shared,mount_path:/shared,kind:pvc,claim_name:ckpt}]",
+    "train.checkpoint_dir=/scratch/checkpoints",
+    "store.cache_dir=/scratch/cache",
 ]
 
 
@@ -36,7 +49,7 @@ def rendered(tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(tmp)
     try:
-        assert main(["render", *CLUSTER]) == 0
+        assert main(["render", *CLUSTER, *FABRIC]) == 0
     finally:
         os.chdir(cwd)
     build = tmp / "build"
@@ -224,13 +237,17 @@ def test_gpu_placement_is_on_the_replicas_not_on_the_cpu_only_kfp_pods(rendered)
         spec = task["template"]["spec"]
         assert spec["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-        assert spec["serviceAccountName"] == k8s.SERVICE_ACCOUNT
+        assert (
+            spec["serviceAccountName"] == k8s.REPLICA_SERVICE_ACCOUNT and spec["automountServiceAccountToken"] is False
+        )
     executors = rendered["pipeline"][1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     for executor in executors.values():
         assert "tolerations" not in executor and "nodeSelector" not in executor
 
 
-def _granted(docs: list[dict], account: str) -> set[tuple[str, str, str]]:
+def _granted(docs: list[dict], account: str, names: bool = False) -> set[tuple]:
+    """(apiGroup, resource, verb) the account is granted; with `names`, each with the
+    resourceNames it is limited to (() for any object)."""
     roles = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] in ("Role", "ClusterRole")}
     granted = set()
     for binding in (d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
@@ -238,24 +255,34 @@ def _granted(docs: list[dict], account: str) -> set[tuple[str, str, str]]:
             continue
         role = roles[(binding["roleRef"]["kind"], binding["roleRef"]["name"])]
         for rule in role["rules"]:
+            only = tuple(sorted(rule.get("resourceNames", [])))
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
-                    granted |= {(group, resource, verb) for verb in rule["verbs"]}
+                    granted |= {(group, resource, verb, *((only,) if names else ())) for verb in rule["verbs"]}
     return granted
 
 
 def test_deploy_grants_exactly_the_calls_the_code_lists_to_the_account_pods_run_as():
-    """Finding 7: one service account, and every call in components/k8s.py is granted to it
-    (jobs/status included); deploy/ grants nothing the code does not list."""
+    """Finding 7 and issue 22: the run's account (every KFP pod: KFP's driver, launcher and
+    Argo's executor beside liftoff's component) is granted every call in components/k8s.py,
+    liftoff's own and KFP's (the kfp-launcher ConfigMap and the artifact Secret, by name
+    only), and nothing the code does not list; the replicas' account is granted nothing."""
     from components.config import compose
 
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "rbac.yaml").read_text()))
-    granted = _granted(docs, k8s.SERVICE_ACCOUNT)
-    needed = {(a.group, a.resource, a.verb) for a in k8s.ACCESS}
+    granted = _granted(docs, k8s.SERVICE_ACCOUNT, names=True)
+    needed = {(a.group, a.resource, a.verb, tuple(sorted(a.names))) for a in (*k8s.ACCESS, *k8s.KFP_ACCESS)}
     assert needed - granted == set(), f"not granted: {sorted(needed - granted)}"
     assert granted - needed == set(), f"granted but never used: {sorted(granted - needed)}"
+    assert ("", "configmaps", "get", ("kfp-launcher",)) in granted  # KFP's root driver fails on Forbidden
+    assert ("", "secrets", "get", ("mlpipeline-minio-artifact",)) in granted  # and no other Secret
+    assert _granted(docs, k8s.REPLICA_SERVICE_ACCOUNT) == set()
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert accounts[k8s.REPLICA_SERVICE_ACCOUNT]["automountServiceAccountToken"] is False
     cfg = compose(["cluster=kubernetes"])
-    assert cfg.cluster.service_account == k8s.SERVICE_ACCOUNT == cfg.kfp.service_account
+    assert cfg.kfp.service_account == k8s.SERVICE_ACCOUNT and cfg.cluster.service_account == k8s.REPLICA_SERVICE_ACCOUNT
+    quarantine = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    assert all("kubeflow" in d["metadata"]["name"] for d in quarantine)  # per namespace: `sed s/kubeflow/$NS/g`
 
 
 def test_every_kubernetes_call_a_cluster_run_makes_is_granted(tmp_path, monkeypatch):
@@ -300,5 +327,186 @@ def test_every_kubernetes_call_a_cluster_run_makes_is_granted(tmp_path, monkeypa
     ]:
         assert needed in calls, f"the run never made {needed}: the fake recorded {sorted(calls)}"
     assert calls <= granted, f"made but not granted by deploy/rbac.yaml: {sorted(calls - granted)}"
-    listed = {(a.group, a.resource, a.verb) for a in k8s.ACCESS}
+    listed = {(a.group, a.resource, a.verb) for a in (*k8s.ACCESS, *k8s.KFP_ACCESS)}
     assert calls <= listed, f"made but not listed in components/k8s.py: {sorted(calls - listed)}"
+
+
+def _executors(rendered) -> dict[str, dict]:
+    return rendered["pipeline"][1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def test_every_kfp_task_gets_the_pull_secret_requests_and_retries(rendered):
+    """Issue 22, acceptance 1 (the KFP side): every executor pulls with the pull secret, asks
+    for CPU and memory (never BestEffort), and every task retries a failed pod."""
+    pipeline = rendered["pipeline"][0]
+    executors = _executors(rendered)
+    containers = pipeline["deploymentSpec"]["executors"]
+    assert set(executors) == set(containers) and len(containers) == 7
+    for name, executor in executors.items():
+        assert [s["secretName"] for s in executor["imagePullSecret"]] == ["regcred"], name
+        resources = containers[name]["container"]["resources"]
+        assert resources["resourceCpuRequest"] == "1" and resources["resourceMemoryRequest"] in ("4G", "16G")
+    assert containers["exec-evaluate"]["container"]["resources"]["resourceMemoryRequest"] == "16G"
+    tasks = {**pipeline["root"]["dag"]["tasks"], **pipeline["components"]["comp-for-loop-1"]["dag"]["tasks"]}
+    for name, task in tasks.items():
+        if name != "for-loop-1":
+            assert task["retryPolicy"]["maxRetryCount"] == 2, name
+
+
+@pytest.mark.parametrize("job", ["train", "preflight"])
+def test_rendered_jobs_carry_policies_ttl_the_fabric_and_the_volumes(rendered, job):
+    """Issue 22, acceptance 1 (the Volcano side): a failed or deleted replica aborts the job at
+    once; Volcano deletes it a day after it ends; every replica pod has the RDMA device, IPC_LOCK,
+    the Multus annotation, the NCCL env, the three volumes mounted and an ephemeral-storage
+    request covering its writable layer and the disk-backed emptyDir (all schema-checked above)."""
+    spec = rendered[job]["spec"]
+    assert spec["policies"] == [
+        {"event": "PodEvicted", "action": "AbortJob"},
+        {"event": "PodFailed", "action": "AbortJob"},
+    ]
+    assert spec["ttlSecondsAfterFinished"] == 86400
+    for task in spec["tasks"]:
+        pod = task["template"]
+        assert pod["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["scratch"]["hostPath"] == {"path": "/mnt/nvme", "type": "DirectoryOrCreate"}
+        assert volumes["spill"]["emptyDir"] == {"sizeLimit": "100Gi"}
+        assert volumes["shared"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        for c in pod["spec"]["containers"]:
+            assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == "1"
+            assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == "1"
+            assert c["resources"]["requests"]["ephemeral-storage"] == "150Gi"  # 50 + the 100 Gi emptyDir
+            assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["NCCL_IB_HCA"] == "=mlx5_0" and env["NCCL_SOCKET_IFNAME"] == "eth0"
+            mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+            assert mounts == {"dshm": "/dev/shm", "scratch": "/scratch", "spill": "/spill", "shared": "/shared"}
+
+
+def test_the_train_job_keeps_checkpoints_and_the_data_cache_on_the_volume(rendered):
+    """The replica's spec (what the worker reads) names the mounted volume for its node
+    checkpoints and data cache, not the container's writable layer."""
+    import base64
+    import json
+    import re
+
+    command = " ".join(_containers(rendered["train"])[0]["command"])
+    spec = json.loads(base64.b64decode(re.search(r"--spec-b64 (\S+)", command).group(1)))
+    assert spec["checkpoint_dir"].startswith("/scratch/checkpoints/")
+    assert spec["store"]["cache_dir"] == "/scratch/cache"
+
+
+def test_the_kfp_feature_table_judges_everything_compile_emits_and_the_pinned_backend_runs_it(rendered):
+    """Issue 22, acceptance 3: every IR key the compiled pipeline uses is one every v2 backend
+    reads or one the table dates; the pipeline needs 2.14.0 for its dsl.Collected merge; and
+    every KFP release deploy/README.md installs is at least that."""
+    import re
+
+    from pipelines import kfp_features
+
+    spec, platform = rendered["pipeline"]
+    for _, name, task in kfp_features._tasks(spec):
+        unknown = set(task) - kfp_features.BASELINE_KEYS["task"] - kfp_features.BASELINE_KEYS["loop"]
+        assert not unknown, f"task {name} uses IR keys no feature dates: {unknown}"
+    for executor in kfp_features._executors(platform):
+        assert set(executor) <= kfp_features.BASELINE_KEYS["executor"], set(executor)
+    for container in kfp_features._containers(spec):
+        assert set(container.get("resources", {})) <= kfp_features.BASELINE_KEYS["resources"]
+    floor, why = kfp_features.required_backend(spec, platform)
+    assert floor == (2, 14, 0) and any("dsl.Collected" in f.name for f in why)
+    used = {f.name for f in kfp_features.emitted(spec, platform)}
+    assert {"image pull secrets", "emptyDir volumes (the /dev/shm mount)"} <= used
+    assert not any("pipeline parameter" in u for u in used)  # literal secret names and requests
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    pinned = re.findall(r"PIPELINE_VERSION=(\S+)", readme)
+    assert pinned, "deploy/README.md pins no KFP release"
+    for version in pinned:
+        assert kfp_features.parse_version(version) >= floor, f"deploy/README.md installs KFP {version}"
+
+
+@pytest.mark.parametrize("reported, ok", [("2.5.0", False), ("2.14.0", True), ("2.16.1", True), ("unknown", True)])
+def test_submit_refuses_a_backend_older_than_the_pipeline_needs_in_one_line(
+    tmp_path, monkeypatch, capsys, reported, ok
+):
+    """Issue 22, acceptance 3: `submit` reads the backend's version off its healthz; against a
+    2.5.0 backend it fails in one line naming 2.14 and the feature, before any run is created;
+    a backend that does not report its version gets a warning and the run."""
+    from tests.pipeline.fake_kfp import FakeKfp
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIO_ACCESS_KEY", S3_ACCESS_KEY)
+    monkeypatch.setenv("MINIO_SECRET_KEY", S3_SECRET_KEY)
+    with FakeKfp() as kfp:
+        kfp.version = reported
+        rc = main(["submit", f"kfp.host={kfp.url}", *CLUSTER])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any(r["path"].endswith("/healthz") for r in kfp.requests)
+    if ok:
+        assert rc == 0 and len(kfp.runs) == 1
+        assert err == ([] if reported != "unknown" else [err[0]])
+        assert reported != "unknown" or "does not report its version" in err[0]
+    else:
+        assert rc == 2 and kfp.runs == [] and len(err) == 1
+        assert f"is {reported}; this pipeline needs >= 2.14.0 for dsl.Collected" in err[0], err
+
+
+def test_a_cluster_preset_publishes_no_tiny_value(tmp_path, monkeypatch):
+    """Issue 22, acceptance 6: every key the tiny CPU preset sets is set again by the cluster
+    presets, and the compiled pipeline's defaults (what a UI run starts from) carry the
+    cluster's values: one process per GPU, every node healthy, the real sequence length."""
+    from omegaconf import OmegaConf
+
+    from components.config import CONF_DIR
+
+    def keys(node, prefix=""):
+        return {
+            k
+            for key, v in node.items()
+            for k in (keys(v, f"{prefix}{key}.") if isinstance(v, dict) else [prefix + key])
+        }
+
+    tiny = keys(yaml.safe_load((CONF_DIR / "experiment" / "tiny.yaml").read_text()))
+    monkeypatch.chdir(tmp_path)
+    for preset in ("h200-7b", "h200-70b"):
+        mine = yaml.safe_load((CONF_DIR / "experiment" / f"{preset}.yaml").read_text())
+        assert tiny - keys(mine) == set(), f"{preset} leaves tiny's {sorted(tiny - keys(mine))}"
+        assert main(["compile", f"experiment={preset}"]) == 0
+        params = yaml.safe_load_all((tmp_path / "build" / "pretrain.yaml").read_text()).__next__()
+        d = {g: p["defaultValue"] for g, p in params["root"]["inputDefinitions"]["parameters"].items()}
+        assert d["cluster"]["procs_per_node"] == d["cluster"]["gpu"] == 8 and d["cluster"]["scheduler"] == "kubernetes"
+        assert (
+            d["preflight"]["min_healthy_nodes"] == d["cluster"]["nodes"] and d["preflight"]["zscore_threshold"] == 5.0
+        )
+        assert d["data"]["seq_len"] == 4096 and d["store"]["backend"] == "minio" and d["model"]["name"] == preset[5:]
+        expected = OmegaConf.to_container(OmegaConf.create(mine), resolve=False)
+        for key in tiny:
+            group, *path = key.split(".")
+            value, want = d[group], expected[group]
+            for part in path:
+                value, want = value[part], want[part]
+            if not (isinstance(want, str) and want.startswith("${")):
+                assert value == want, (preset, key, value, want)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["cluster=kubernetes", "cluster.procs_per_node=8"], "store.backend=local with cluster.scheduler=kubernetes"),
+        (["cluster=kubernetes", "store=minio"], "cluster.procs_per_node=1 with cluster.gpu=8"),
+        (
+            ["experiment=h200-70b", "train.grad_accum_steps=16"],
+            r"the plan does not fit: \d+\.\d GB per device > 126\.9 GB \(H200",
+        ),
+    ],
+    ids=["local-store", "one-process-for-8-gpus", "plan-does-not-fit"],
+)
+def test_render_refuses_a_cluster_run_that_cannot_work_in_one_line(tmp_path, monkeypatch, capsys, overrides, message):
+    """Issue 22, acceptance 6: nothing is written, and the error is one line naming the key."""
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["render", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert not (tmp_path / "build").exists()

@@ -222,3 +222,28 @@ def test_a_pod_that_died_without_a_word_is_named_too(launch_on):
     first = str(failed.value).splitlines()[0]
     assert "first failure: replica 0 rank 0 at " in first and ": RuntimeError: Connection closed by peer; " in first
     assert "; replica 1 logged no error (its processes killed, or its node lost?); last log lines:" in first
+
+
+def test_a_gang_that_never_fits_fails_the_attempt_naming_volcanos_reason(launch_on):
+    """Issue 22: a job Volcano cannot place (its nodes excluded, a resource no node has) pends
+    forever; after cluster.pending_timeout_s the attempt fails with the PodGroup's Unschedulable
+    message, and its vcjob is cancelled (not left in the queue to grab the GPUs later)."""
+    import dataclasses
+
+    from components.launcher import LaunchError, run_once
+    from tests.pipeline.fake_k8s import FakeK8s
+
+    reason = (
+        "2/2 tasks in gang unschedulable: pod group is not ready, 2 Pending, 2 minAvailable; "
+        "Pending: 2 Insufficient nvidia.com/gpu"
+    )
+    with FakeK8s(unschedulable=reason) as api:
+        launch = launch_on(api)
+        launch = dataclasses.replace(launch, cluster=dataclasses.replace(launch.cluster, pending_timeout_s=2.0))
+        with pytest.raises(LaunchError) as failed:
+            run_once(launch, {})
+    message = str(failed.value).splitlines()[0]
+    assert message.startswith("train-abc still unscheduled after 2s (cluster.pending_timeout_s): PodGroup "), message
+    assert f"NotEnoughResources: {reason}" in message and "PodGroupPending" in message
+    assert [name for name, body in api.status_updates if body["status"]["state"]["phase"] == "Aborted"] == api.created
+    assert ("scheduling.volcano.sh", "podgroups", "list") in api.calls and ("", "events", "list") in api.calls

@@ -78,6 +78,48 @@ def test_throttled_node_is_unhealthy_and_the_gate_stops_the_run(trainer):
         gate(result, cfg.preflight)
 
 
+def test_floors_above_what_the_nodes_measure_fail_the_gate_naming_the_floor(trainer):
+    """Issue 22, point 5: absolute floors hold on a fleet that agrees with itself (every node
+    on TCP measures alike, so no z-score flags one): real measurements on two local nodes,
+    floors set above them, the gate names each floor and the key it came from."""
+    cfg, result = preflight(trainer, "+preflight.floors={gemm_tflops_fp32:1000000,allreduce_busbw_gbps:100000}")
+    assert result.healthy == []
+    for node in result.nodes:
+        reasons = result.unhealthy[f"{node['host']}#{node['rank']}"]
+        assert any(
+            r.startswith(f"gemm_tflops_fp32={node['gemm_tflops_fp32']:.4g} is below the floor 1e+06") for r in reasons
+        )
+        largest = max((k for k in node if k.startswith("allreduce_busbw_gbps_")), key=lambda k: float(k[21:-2]))
+        assert any(
+            f"allreduce_busbw_gbps={node[largest]:.4g} is below the floor 100000 (preflight.floors)" in r
+            for r in reasons
+        )
+    with pytest.raises(PreflightFailed, match=r"0 healthy node\(s\).*gemm_tflops_fp32=.* is below the floor 1e\+06"):
+        gate(result, cfg.preflight)
+
+
+def test_a_gpu_types_floors_fail_a_fleet_on_tcp_sockets():
+    """cluster.gpu_type's floors (preflight.device_floors). Two H200 nodes whose NCCL runs over
+    the pod network (3 GB/s busbw, alike: no z-score fires) fail; at the fabric's 45 GB/s pass."""
+    from components.preflight.verdict import floors_for
+
+    cfg = defaults("preflight")
+    floors, source = floors_for(cfg, "H200", nodes=2)
+    assert floors["allreduce_busbw_gbps"] == pytest.approx(20.0) and "H200" in source
+    tcp = [
+        node(r, gemm_tflops_bf16=700.0, allreduce_busbw_gbps_64mb=2.0, allreduce_busbw_gbps_1024mb=3.1) for r in (0, 1)
+    ]
+    verdicts = judge(tcp, cfg, floors, source)
+    assert not any(v.healthy for v in verdicts)
+    assert all(r == f"allreduce_busbw_gbps=3.1 is below the floor 20 ({source})" for v in verdicts for r in v.reasons)
+    ib = [
+        node(r, gemm_tflops_bf16=700.0, allreduce_busbw_gbps_64mb=9.0, allreduce_busbw_gbps_1024mb=45.0) for r in (0, 1)
+    ]
+    assert all(v.healthy for v in judge(ib, cfg, floors, source))
+    assert floors_for(cfg, None, nodes=2)[0] == {}  # a CPU rehearsal has no device table entry
+    assert floors_for(defaults("preflight", device_floors=False), "H200", nodes=2)[0] == {}
+
+
 def test_plan_that_does_not_fit_fails_the_gate(trainer):
     cfg, result = preflight(trainer, "preflight.device_memory_gb=0.001")
     with pytest.raises(PreflightFailed, match="planned memory .* GB per device exceeds 0.00 GB"):
