@@ -23,18 +23,22 @@ from components.train.component import train as train_op
 from components.validate.component import validate as validate_op
 
 
-def on_cluster(task: dsl.PipelineTask, cfg: Any, memory_gb: float | None = None) -> dsl.PipelineTask:
+def on_cluster(
+    task: dsl.PipelineTask, cfg: Any, memory_gb: float | None = None, retry: bool = True
+) -> dsl.PipelineTask:
     """What every task needs on Kubeflow: the stage image, its pull policy and pull secrets,
     store credentials from a Secret (never a parameter), a RAM-backed /dev/shm, resource
     requests (a BestEffort pod is the first evicted) and retries (an evicted or lost driver
-    pod reruns; train resumes from the store and deletes its orphaned job first)."""
+    pod reruns; train resumes from the store and deletes its orphaned job first). No retries
+    for preflight, whose failed gate must stop the run at once, nor with the local scheduler,
+    where a failed task is the code's, not a lost pod's (kfp.local honours retries too)."""
     task.set_container_image(cfg.cluster.image)
     kubernetes.set_image_pull_policy(task, cfg.cluster.image_pull_policy)
     if cfg.cluster.image_pull_secrets:
         kubernetes.set_image_pull_secrets(task, list(cfg.cluster.image_pull_secrets))
     task.set_cpu_request(f"{cfg.kfp.task_cpu:g}")
     task.set_memory_request(f"{memory_gb or cfg.kfp.task_memory_gb:g}G")
-    if cfg.kfp.task_retries:
+    if retry and cfg.kfp.task_retries and cfg.cluster.scheduler == "kubernetes":
         task.set_retry(cfg.kfp.task_retries, backoff_duration="30s", backoff_factor=2.0, backoff_max_duration="600s")
     kubernetes.use_secret_as_env(
         task,
@@ -73,6 +77,7 @@ def build_pipeline(cfg: Any):
         checked = on_cluster(
             preflight_op(dataset=dataset, model=model, train=train, cluster=cluster, preflight=preflight, store=store),
             cfg,
+            retry=False,
         )
         checked.set_caching_options(False)
         trained = on_cluster(

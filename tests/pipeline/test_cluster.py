@@ -349,8 +349,9 @@ def test_every_kfp_task_gets_the_pull_secret_requests_and_retries(rendered):
     assert containers["exec-evaluate"]["container"]["resources"]["resourceMemoryRequest"] == "16G"
     tasks = {**pipeline["root"]["dag"]["tasks"], **pipeline["components"]["comp-for-loop-1"]["dag"]["tasks"]}
     for name, task in tasks.items():
-        if name != "for-loop-1":
+        if name not in ("for-loop-1", "preflight"):
             assert task["retryPolicy"]["maxRetryCount"] == 2, name
+    assert "retryPolicy" not in tasks["preflight"]  # a failed gate stops the run at once
 
 
 @pytest.mark.parametrize("job", ["train", "preflight"])

@@ -41,6 +41,8 @@ def test_compile_has_one_dict_per_group_and_no_secrets(in_tmp, capsys):
     tasks = spec["root"]["dag"]["tasks"]
     assert tasks["preflight"]["cachingOptions"] == {}  # caching off: the key is absent
     assert tasks["train"]["cachingOptions"] == {"enableCache": True}
+    # the local scheduler: no task retries (kfp.local would rerun a failing task after a backoff)
+    assert not any("retryPolicy" in t for t in tasks.values())
     assert set(tasks) == {"tokenize-plan", "for-loop-1", "tokenize-merge", "preflight", "train", "validate", "evaluate"}
     loop = tasks["for-loop-1"]
     assert loop["parameterIterator"]["items"]["inputParameter"] == "pipelinechannel--tokenize-plan-Output"
