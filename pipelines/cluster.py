@@ -175,14 +175,18 @@ def upload(cfg: DictConfig) -> str:
     version = f"{short_commit(code_version())}-{config_hash(cfg)}"
     package = compile_pipeline(cfg, BUILD / "pretrain.yaml")
     checked_backend(cfg, kfp_client, package)
-    name = cfg.kfp.pipeline_name
-    pipeline_id = _call(lambda: kfp_client.get_pipeline_id(name), cfg)
+    name, namespace = cfg.kfp.pipeline_name, cfg.kfp.namespace
+    # with kfp.namespace the pipeline is the profile's own: multi-user KFP (>= 2.16) authorizes a
+    # shared pipeline against its system namespace, which a profile's account may not write
+    pipeline_id = _call(lambda: _pipeline_id(kfp_client, name, namespace), cfg)
     if pipeline_id is None:
         _call(
-            lambda: kfp_client.upload_pipeline(str(package), pipeline_name=name, description="liftoff pretraining DAG"),
+            lambda: kfp_client.upload_pipeline(
+                str(package), pipeline_name=name, description="liftoff pretraining DAG", namespace=namespace
+            ),
             cfg,
         )
-        pipeline_id = _call(lambda: kfp_client.get_pipeline_id(name), cfg)
+        pipeline_id = _call(lambda: _pipeline_id(kfp_client, name, namespace), cfg)
     existing = _call(lambda: kfp_client.list_pipeline_versions(pipeline_id, page_size=200), cfg)
     if any(v.display_name == version for v in existing.pipeline_versions or []):
         return f"pipeline {name} version {version} is already uploaded; nothing to do"
@@ -193,6 +197,15 @@ def upload(cfg: DictConfig) -> str:
         cfg,
     )
     return f"uploaded pipeline {name} version {version}"
+
+
+def _pipeline_id(kfp_client, name: str, namespace: str | None) -> str | None:
+    """The id of the pipeline named `name` (shared, or the namespace's own)."""
+    if namespace is None:
+        return kfp_client.get_pipeline_id(name)
+    by_name = {"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]}
+    found = kfp_client.list_pipelines(filter=json.dumps(by_name), namespace=namespace).pipelines or []
+    return found[0].pipeline_id if found else None
 
 
 def submit(cfg: DictConfig, job_overrides: list[str], experiment: str) -> str:

@@ -174,12 +174,14 @@ def read_ir(path) -> tuple[dict, dict]:
 
 
 def backend_version(kfp_client: Any) -> str:
-    """The backend's release, from its healthz (`tag_name`; the SDK's model drops the field, so
-    the raw body is read: backend/src/apiserver/main.go). `unknown` when it does not say: the
-    server's TAG_NAME is set by the release build only from 2.16.0."""
+    """The backend's release, from its healthz. The SDK's model drops the field, so the raw body
+    is read: the API server's own (`tag_name`, backend/src/apiserver/main.go) or, through the UI
+    (ml-pipeline-ui answers /apis/v2beta1/healthz itself: frontend/server/handlers/healthz.ts),
+    `apiServerTagName`. `unknown` when neither says: the server's TAG_NAME is set by the
+    release build only from 2.16.0."""
     raw = kfp_client._healthz_api.healthz_service_get_healthz(_preload_content=False)
     body = json.loads(raw.data or b"{}")
-    return str(body.get("tag_name") or "unknown")
+    return str(body.get("tag_name") or body.get("apiServerTagName") or "unknown")
 
 
 class BackendTooOld(RuntimeError):

@@ -19,6 +19,7 @@ class FakeKfp:
         self.runs: list[dict] = []
         self.final_state = "SUCCEEDED"  # what a run reports when `submit --wait` asks
         self.version = "2.14.0"  # the backend release its healthz reports (tag_name)
+        self.through_ui = False  # answer healthz as ml-pipeline-ui does (apiServerTagName)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -63,6 +64,8 @@ class FakeKfp:
         q = {k: v[0] for k, v in parse_qs(u.query).items()}
         p = u.path
         if method == "GET" and p in ("/apis/v2beta1/healthz", "/apis/v1beta1/healthz"):
+            if self.through_ui:  # frontend/server/handlers/healthz.ts
+                return {"apiServerCommitHash": "0123abc", "apiServerTagName": self.version, "apiServerReady": True}
             # backend/src/apiserver/main.go: the raw body carries the release as tag_name
             return {
                 "commit_sha": "0123abc",

@@ -426,11 +426,13 @@ def test_the_kfp_feature_table_judges_everything_compile_emits_and_the_pinned_ba
         assert kfp_features.parse_version(version) >= floor, f"deploy/README.md installs KFP {version}"
 
 
+@pytest.mark.parametrize("through_ui", [False, True], ids=["api-server", "through-ui"])
 @pytest.mark.parametrize("reported, ok", [("2.5.0", False), ("2.14.0", True), ("2.16.1", True), ("unknown", True)])
 def test_submit_refuses_a_backend_older_than_the_pipeline_needs_in_one_line(
-    tmp_path, monkeypatch, capsys, reported, ok
+    tmp_path, monkeypatch, capsys, reported, ok, through_ui
 ):
-    """Issue 22, acceptance 3: `submit` reads the backend's version off its healthz; against a
+    """Issue 22, acceptance 3: `submit` reads the backend's version off its healthz (the API
+    server's, or the UI's when the endpoint is ml-pipeline-ui, as deploy/README.md's is); against a
     2.5.0 backend it fails in one line naming 2.14 and the feature, before any run is created;
     a backend that does not report its version gets a warning and the run."""
     from tests.pipeline.fake_kfp import FakeKfp
@@ -439,7 +441,7 @@ def test_submit_refuses_a_backend_older_than_the_pipeline_needs_in_one_line(
     monkeypatch.setenv("MINIO_ACCESS_KEY", S3_ACCESS_KEY)
     monkeypatch.setenv("MINIO_SECRET_KEY", S3_SECRET_KEY)
     with FakeKfp() as kfp:
-        kfp.version = reported
+        kfp.version, kfp.through_ui = reported, through_ui
         rc = main(["submit", f"kfp.host={kfp.url}", *CLUSTER])
     err = capsys.readouterr().err.strip().splitlines()
     assert any(r["path"].endswith("/healthz") for r in kfp.requests)

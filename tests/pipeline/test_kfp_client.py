@@ -72,6 +72,18 @@ def test_upload_then_upload_again_is_a_noop(in_tmp, capsys):
         assert "uploaded" in capsys.readouterr().out and len(kfp.versions["p1"]) == 3
 
 
+def test_upload_with_a_namespace_makes_the_profiles_own_pipeline(in_tmp, capsys):
+    """Multi-user KFP (>= 2.16) authorizes a shared pipeline against its system namespace, which
+    a profile's account may not write: with kfp.namespace the pipeline is uploaded into, and
+    looked up in, that namespace."""
+    with FakeKfp() as kfp:
+        assert main(["upload", f"kfp.host={kfp.url}", "kfp.namespace=team-a"]) == 0
+    upload = next(r for r in kfp.requests if r["path"] == "/apis/v2beta1/pipelines/upload")
+    assert upload["query"].get("namespace") == ["team-a"]
+    lookups = [r for r in kfp.requests if r["method"] == "GET" and r["path"] == "/apis/v2beta1/pipelines"]
+    assert lookups and all(r["query"].get("namespace") == ["team-a"] for r in lookups)
+
+
 def test_submit_sweep_makes_one_run_per_job_in_one_experiment(in_tmp, capsys):
     with FakeKfp() as kfp:
         assert main(["submit", "-m", f"kfp.host={kfp.url}", "train.lr=0.001,0.003", "kfp.service_account=sa"]) == 0
