@@ -198,6 +198,11 @@ class TrainConfig:
         ])  # fmt: skip
 
 
+# what preflight measures per node that a floor may hold (the leave-one-out z-score too);
+# `gemm_tflops_<dtype>`, `allreduce_busbw_gbps_<size>mb` or `allreduce_busbw_gbps` (its largest size)
+PERF_METRICS = ("gemm_tflops_", "membw_gbps", "allreduce_busbw_gbps", "storage_read_mbps", "storage_roundtrip_mbps")
+
+
 @dataclass
 class PreflightConfig:
     gemm_size: int = MISSING
@@ -210,15 +215,19 @@ class PreflightConfig:
     zscore_threshold: float = MISSING
     floors: dict[str, float] = MISSING  # metric -> absolute minimum, over the device's (device_floors)
     device_floors: bool = MISSING  # cluster.gpu_type's absolute floors (components/devices.py) apply too
-    min_healthy_nodes: int = MISSING
+    min_healthy_nodes: int | None = MISSING  # None: every node (train's gang needs cluster.nodes)
     memory_safety: float = MISSING
     device_memory_gb: float | None = MISSING  # None: measured (GPU) or host memory (CPU)
     quarantine: bool = MISSING
 
     def check(self, cluster: ClusterConfig | None = None) -> list[str]:
-        rules = []
+        unknown = sorted(k for k in self.floors if not k.startswith(PERF_METRICS))
+        measured = ", ".join(PERF_METRICS)
+        why = f"{', '.join(unknown)}: not a metric preflight measures (names start with {measured})"
+        rules = [("preflight.floors", not unknown, why)]
         if cluster is not None:  # the gate needs at least this many of the nodes the job asks for
-            n, ok = self.min_healthy_nodes, 1 <= self.min_healthy_nodes <= cluster.nodes
+            n = self.min_healthy_nodes
+            ok = n is None or 1 <= n <= cluster.nodes
             rules.append(("preflight.min_healthy_nodes", ok, f"{n} must be in [1, cluster.nodes={cluster.nodes}]"))
         return failed(rules)
 
@@ -271,8 +280,9 @@ class ClusterConfig:
 
         known = ", ".join(d.key for d in DEVICES)
         reserved = sorted(k for k in self.env if k in RESERVED_ENV or k.startswith(("TORCHX_", "LIFTOFF_")))
-        names = [v.name for v in self.volumes]
+        names, paths = [v.name for v in self.volumes], [v.mount_path.rstrip("/") for v in self.volumes]
         bad_env = sorted(k for k in self.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))
+        expanded = sorted(k for k, v in self.env.items() if "$(" in str(v))  # Kubernetes would expand $(VAR)
         return failed([
             ("cluster.gpu_type", self.gpu_type is None or device(self.gpu_type) is not None,
              f"unknown {self.gpu_type!r}: one of {known}, or null (then preflight.device_memory_gb "
@@ -281,13 +291,19 @@ class ClusterConfig:
              f"must be one of {', '.join(PULL_POLICIES)}, got {self.image_pull_policy!r}"),
             ("cluster.env", not reserved, f"{', '.join(reserved)} set by liftoff itself: not configurable"),
             ("cluster.env", not bad_env, f"not an environment variable name: {', '.join(bad_env)}"),
+            ("cluster.env", not expanded, f"$(...) in {', '.join(expanded)}: Kubernetes expands it; write $$(...)"),
             ("cluster.volumes", len(set(names)) == len(names) and "dshm" not in names,
              f"names must be unique and not dshm (the /dev/shm volume), got {names}"),
+            ("cluster.volumes", len(set(paths)) == len(paths) and "/dev/shm" not in paths,
+             f"mount paths must be unique and not /dev/shm, got {paths}"),
         ] + [rule for v in self.volumes for rule in v.rules()])  # fmt: skip
 
 
 VOLUME_KINDS = ("emptyDir", "hostPath", "pvc")
-RESERVED_ENV = ("MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ENDPOINT", "NODE_NAME", "OMP_NUM_THREADS")
+RESERVED_ENV = (
+    *("MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ENDPOINT", "NODE_NAME", "OMP_NUM_THREADS"),
+    *("LOGLEVEL", "PYTHONWARNINGS", "PYTHONPATH", "PATH"),
+)
 
 
 @dataclass
@@ -590,7 +606,7 @@ def _no_such_key(key: str, at: int, known: list[str]) -> str:
 def unknown_key(key: str) -> str | None:
     """Why an override's key (`train.lrr`, `modle`) names nothing in the schema, or None when it
     does or cannot be judged here: an add/delete (`+`, `~`), a package (`@`), Hydra's own
-    `hydra.*`, or a key inside a dict or list field (`preflight.floors.gemm_tflops`), which holds any key."""
+    `hydra.*`, or a key inside a dict or list field (`cluster.env.NCCL_DEBUG`), which holds any key."""
     if not key or key.startswith(("+", "~")) or "@" in key or key.split(".")[0] == "hydra":
         return None
     schema = Config

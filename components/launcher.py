@@ -275,7 +275,7 @@ def run_app(launch: Launch, env: dict[str, str] | None = None) -> None:
         try:
             return run_once(launch, {**(env or {}), "LIFTOFF_ATTEMPT": str(attempt)})
         except LaunchError as e:
-            if attempt == attempts - 1:
+            if attempt == attempts - 1 or isinstance(e, Unschedulable):  # the same gang would pend again
                 raise
             log.warning(
                 "%s failed (attempt %d of %d); relaunching: %s",
@@ -403,15 +403,19 @@ def _wait(runner, handle: str, launch: Launch, interval: float = 1.0):
         status = runner.status(handle)
         if status is None or status.is_terminal():
             return status
-        if status.state not in (AppState.SUBMITTED, AppState.PENDING, AppState.UNSUBMITTED):
-            since = time.monotonic()  # it ran: only an unbroken wait in the queue counts
+        if status.state == AppState.RUNNING:
+            since = time.monotonic()  # it ran: only an unbroken wait unscheduled (or UNKNOWN) counts
         elif time.monotonic() - since > launch.cluster.pending_timeout_s:
             why = _why_pending(handle, launch)
-            raise LaunchError(
+            raise Unschedulable(
                 f"{launch.name} still unscheduled after {launch.cluster.pending_timeout_s:g}s "
                 f"(cluster.pending_timeout_s): {why}"
             )
         time.sleep(interval)
+
+
+class Unschedulable(LaunchError):
+    """The job was never placed: relaunching the same gang would wait again."""
 
 
 def _why_pending(handle: str, launch: Launch) -> str:

@@ -59,7 +59,10 @@ def refuse_unrunnable(cfg: DictConfig) -> None:
                 f"process per GPU; set cluster.procs_per_node={c.gpu} (or a cluster preset: experiment=h200-7b)"
             )
     p, device = planner.plan_for(typed)
-    if not planner.fits(p, device.memory_gb, typed.preflight.memory_safety):
+    # on Kubernetes with no device known (gpu_type null, no device_memory_gb) the plan would be
+    # judged against this workstation's RAM: preflight judges it against the measured device
+    judged = c.scheduler != Scheduler.kubernetes or c.gpu_type or typed.preflight.device_memory_gb
+    if judged and not planner.fits(p, device.memory_gb, typed.preflight.memory_safety):
         budget = device.memory_gb * typed.preflight.memory_safety
         problems.append(
             f"the plan does not fit: {p.total_gb:.1f} GB per device > {budget:.1f} GB ({device.name}, "

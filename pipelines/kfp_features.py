@@ -180,7 +180,12 @@ def backend_version(kfp_client: Any) -> str:
     `apiServerTagName`. `unknown` when neither says: the server's TAG_NAME is set by the
     release build only from 2.16.0."""
     raw = kfp_client._healthz_api.healthz_service_get_healthz(_preload_content=False)
-    body = json.loads(raw.data or b"{}")
+    try:
+        body = json.loads(raw.data or b"{}")
+    except ValueError:  # an auth proxy's page, not the healthz: cannot tell
+        return "unknown"
+    if not isinstance(body, dict):
+        return "unknown"
     return str(body.get("tag_name") or body.get("apiServerTagName") or "unknown")
 
 

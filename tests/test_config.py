@@ -256,6 +256,17 @@ def test_each_group_judges_its_own_keys():
             "preflight.allreduce_sizes_mb=[1,nan]",
             "preflight.allreduce_sizes_mb[1]: must be a finite number > 0, got nan",
         ),
+        (
+            "cluster.volumes=[{name:a,mount_path:/x},{name:b,mount_path:/x/}]",
+            "cluster.volumes: mount paths must be unique and not /dev/shm, got ['/x', '/x']",
+        ),
+        ("+cluster.env={NODE_NAME:n1}", "cluster.env: NODE_NAME set by liftoff itself: not configurable"),
+        ("+cluster.extra_resources={rdma/ib:0}", "cluster.extra_resources.rdma/ib: must be >= 1, got 0"),
+        (
+            "+preflight.floors.gemm_tflops=5",
+            "preflight.floors: gemm_tflops: not a metric preflight measures (names start with gemm_tflops_, "
+            "membw_gbps, allreduce_busbw_gbps, storage_read_mbps, storage_roundtrip_mbps)",
+        ),
     ],
 )
 def test_values_that_cannot_work_fail_at_compose_naming_the_key(override, message, capsys):

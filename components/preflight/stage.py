@@ -203,9 +203,15 @@ def gate(result: PreflightResult, cfg: PreflightConfig) -> None:
 def gate_problems(result: PreflightResult, cfg: PreflightConfig) -> list[str]:
     """Why the fleet or the plan cannot train (none: the gate passes)."""
     problems = []
-    if len(result.healthy) < cfg.min_healthy_nodes:
+    hosts = {v.host for v in result.verdicts}
+    healthy = len(hosts) - len(result.excluded_hosts)  # a node with one bad device is excluded whole
+    # null: every node (the gang asks for cluster.nodes; an excluded one could leave it unschedulable)
+    need = len(hosts) if cfg.min_healthy_nodes is None else cfg.min_healthy_nodes
+    if healthy < need:
         problems.append(
-            f"{len(result.healthy)} healthy node(s), preflight.min_healthy_nodes={cfg.min_healthy_nodes}: "
+            f"{healthy} healthy node(s), preflight.min_healthy_nodes={cfg.min_healthy_nodes}"
+            + (f" (every node: {need})" if cfg.min_healthy_nodes is None else "")
+            + ": "
             + "; ".join(f"{n}: {', '.join(r)}" for n, r in result.unhealthy.items())
         )
     if not fits(result.plan, result.device_memory_gb, cfg.memory_safety):

@@ -7,10 +7,10 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from components.config import PreflightConfig
+from components.config import PERF_METRICS, PreflightConfig
 from components.robust import robust_z
 
-PERF_PREFIXES = ("gemm_tflops_", "membw_gbps", "allreduce_busbw_gbps_", "storage_read_mbps", "storage_roundtrip_mbps")
+PERF_PREFIXES = PERF_METRICS  # the per-node figures judged against the fleet and the floors
 MUST_MATCH = ("accelerator", "driver", "torch", "cuda")
 
 

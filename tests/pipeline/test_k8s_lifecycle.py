@@ -226,11 +226,12 @@ def test_a_pod_that_died_without_a_word_is_named_too(launch_on):
 
 def test_a_gang_that_never_fits_fails_the_attempt_naming_volcanos_reason(launch_on):
     """Issue 22: a job Volcano cannot place (its nodes excluded, a resource no node has) pends
-    forever; after cluster.pending_timeout_s the attempt fails with the PodGroup's Unschedulable
-    message, and its vcjob is cancelled (not left in the queue to grab the GPUs later)."""
+    forever; after cluster.pending_timeout_s the launch fails with the PodGroup's Unschedulable
+    message, its vcjob cancelled (not left in the queue to grab the GPUs later) and not
+    relaunched, whatever cluster.max_restarts allows."""
     import dataclasses
 
-    from components.launcher import LaunchError, run_once
+    from components.launcher import LaunchError, run_app
     from tests.pipeline.fake_k8s import FakeK8s
 
     reason = (
@@ -239,11 +240,12 @@ def test_a_gang_that_never_fits_fails_the_attempt_naming_volcanos_reason(launch_
     )
     with FakeK8s(unschedulable=reason) as api:
         launch = launch_on(api)
-        launch = dataclasses.replace(launch, cluster=dataclasses.replace(launch.cluster, pending_timeout_s=2.0))
+        cluster = dataclasses.replace(launch.cluster, pending_timeout_s=2.0, max_restarts=2)
         with pytest.raises(LaunchError) as failed:
-            run_once(launch, {})
+            run_app(dataclasses.replace(launch, cluster=cluster))
     message = str(failed.value).splitlines()[0]
     assert message.startswith("train-abc still unscheduled after 2s (cluster.pending_timeout_s): PodGroup "), message
     assert f"NotEnoughResources: {reason}" in message and "PodGroupPending" in message
     assert [name for name, body in api.status_updates if body["status"]["state"]["phase"] == "Aborted"] == api.created
+    assert len(api.created) == 1  # not relaunched (max_restarts=2): the same gang would pend again
     assert ("scheduling.volcano.sh", "podgroups", "list") in api.calls and ("", "events", "list") in api.calls

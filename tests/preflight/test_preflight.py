@@ -120,6 +120,21 @@ def test_a_gpu_types_floors_fail_a_fleet_on_tcp_sockets():
     assert floors_for(defaults("preflight", device_floors=False), "H200", nodes=2)[0] == {}
 
 
+def test_by_default_every_node_must_pass_and_a_node_counts_once_whatever_its_devices():
+    """preflight.min_healthy_nodes null (the default): train's gang asks for every node, so one
+    excluded node fails the gate; a node is one node however many devices it measured."""
+    from components.preflight.plan import plan
+    from components.preflight.stage import PreflightResult, gate_problems
+
+    step_plan = plan(defaults("model"), defaults("train"), 4, 64, 1024, tflops=50.0)
+    nodes = [node(0), node(1), {**node(2), "host": "h0"}, {**node(3, membw_gbps=10.0), "host": "h1"}]
+    result = PreflightResult(nodes, judge(nodes, defaults("preflight")), step_plan, 80.0, 1.0)
+    assert result.excluded_hosts == ["h1"]
+    problems = gate_problems(result, defaults("preflight"))
+    assert problems and problems[0].startswith("1 healthy node(s), preflight.min_healthy_nodes=None (every node: 2)")
+    assert gate_problems(result, defaults("preflight", min_healthy_nodes=1)) == []
+
+
 def test_plan_that_does_not_fit_fails_the_gate(trainer):
     cfg, result = preflight(trainer, "preflight.device_memory_gb=0.001")
     with pytest.raises(PreflightFailed, match="planned memory .* GB per device exceeds 0.00 GB"):
@@ -182,7 +197,7 @@ def test_the_report_is_published_as_html_whether_or_not_the_gate_passes(tmp_path
     (tmp_path / "nodes").mkdir()
     (tmp_path / "nodes" / "nodes.json").write_text("[]")
     measured = store.publish("preflight", "local_cwd-2n", "20261201T220000-abcd1234", tmp_path / "nodes")
-    cfg = defaults("preflight")
+    cfg = defaults("preflight", min_healthy_nodes=1)  # one slow node excluded, the other trains
     nodes = [node(0), node(1, membw_gbps=10.0)]
     step_plan = plan(defaults("model"), defaults("train"), 2, 64, 1024, tflops=50.0)
     result = PreflightResult(nodes, judge(nodes, cfg), step_plan, device_gb, 1.0, measured.ref)
