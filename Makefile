@@ -12,7 +12,8 @@ TORCH_VARIANT ?= cuda
 
 install: $(STAMP)
 
-# torch first, from the CPU wheel: a looser spec would pull a multi-GB CUDA build.
+# torch first, pinned: resolved with the rest, a looser spec could pull another (multi-GB CUDA) build.
+# (this machine installs 2.13.0 as a CPU build from local disk; elsewhere see deploy/README.md step 0)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
