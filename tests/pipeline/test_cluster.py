@@ -513,3 +513,26 @@ def test_render_refuses_a_cluster_run_that_cannot_work_in_one_line(tmp_path, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
     assert not (tmp_path / "build").exists()
+
+
+def test_host_network_replicas_keep_resolving_cluster_services():
+    """cluster.host_network=true (RDMA NICs without Multus): every replica pod is on the node's
+    network and keeps cluster DNS (ClusterFirstWithHostNet), so the store's service name still
+    resolves; the pod passes the Kubernetes schema."""
+    import kubernetes_validate
+    from omegaconf import OmegaConf
+
+    from components.config import compose
+    from components.launcher import kubernetes_job
+    from components.train.stage import train_launch
+
+    cfg = OmegaConf.to_object(compose([*CLUSTER, "cluster.namespace=team-a", "cluster.host_network=true"]))
+    _, _, launch = train_launch("dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.store, cache_gb=cfg.data.cache_gb)
+    job = k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace="team-a").request.resource)
+    assert not list(_volcano_validator().iter_errors(job))
+    for task in job["spec"]["tasks"]:
+        spec = task["template"]["spec"]
+        assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        pod = {"apiVersion": "v1", "kind": "Pod", **task["template"]}
+        pod["metadata"] = {"name": task["name"], **pod.get("metadata", {})}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
