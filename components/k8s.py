@@ -224,7 +224,7 @@ def _fabric(pod, cluster) -> None:
     scratch = sum(v.size_gb or 0 for v in cluster.volumes if v.kind == "emptyDir" and not v.medium)
     for container in spec.containers:
         resources = container.resources
-        for name, count in {**dict(cluster.extra_resources)}.items():
+        for name, count in cluster.extra_resources.items():
             resources.limits[name] = resources.requests[name] = str(count)
         if storage := cluster.ephemeral_storage_gb + scratch:  # an emptyDir on disk counts as ephemeral
             resources.requests["ephemeral-storage"] = _gi(storage)

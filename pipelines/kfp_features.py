@@ -16,6 +16,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 Version = tuple[int, int, int]
@@ -169,7 +170,7 @@ def required_backend(spec: dict, platform: dict) -> tuple[Version, list[Feature]
 def read_ir(path) -> tuple[dict, dict]:
     import yaml
 
-    docs = list(yaml.safe_load_all(open(path).read()))
+    docs = list(yaml.safe_load_all(Path(path).read_text()))
     return docs[0], (docs[1] if len(docs) > 1 else {})
 
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from components.config import PERF_METRICS, PreflightConfig
 from components.robust import robust_z
 
-PERF_PREFIXES = PERF_METRICS  # the per-node figures judged against the fleet and the floors
 MUST_MATCH = ("accelerator", "driver", "torch", "cuda")
 
 
@@ -27,7 +26,7 @@ class NodeVerdict:
 
 
 def perf_metrics(node: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in node.items() if k.startswith(PERF_PREFIXES) and isinstance(v, (int, float))}
+    return {k: float(v) for k, v in node.items() if k.startswith(PERF_METRICS) and isinstance(v, (int, float))}
 
 
 BUSBW = "allreduce_busbw_gbps"  # a floor on it holds the largest message measured (the bandwidth-bound one)
@@ -39,7 +38,7 @@ def floors_for(cfg: PreflightConfig, gpu_type: str | None, nodes: int) -> tuple[
     from components.devices import FLOOR_FRACTION, device, preflight_floors
 
     d = device(gpu_type) if gpu_type and cfg.device_floors else None
-    own = dict(cfg.floors or {})
+    own = dict(cfg.floors)
     if d is None:
         return own, "preflight.floors"
     where = f"{FLOOR_FRACTION:.0%} of cluster.gpu_type={gpu_type}'s figures (devices.py)"
@@ -64,7 +63,7 @@ def judge(
     floors_from: str = "preflight.floors",
 ) -> list[NodeVerdict]:
     """`floors`: the absolute minimums (`floors_for`); None: `preflight.floors` as given."""
-    floors = dict(cfg.floors or {}) if floors is None else floors
+    floors = dict(cfg.floors) if floors is None else floors
     verdicts = [NodeVerdict(n["rank"], n["host"]) for n in nodes]
     for i, (node, verdict) in enumerate(zip(nodes, verdicts, strict=True)):
         for metric, value in perf_metrics(node).items():
