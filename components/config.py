@@ -188,6 +188,8 @@ class TrainConfig:
     straggler_zscore: float = MISSING
     watchdog_timeout_s: float = MISSING
     peak_tflops: float | None = MISSING  # device peak for MFU; None: preflight's measure
+    metrics_port: int = MISSING  # each node serves Prometheus metrics there (locally: + node index); 0 = off
+    profile_poll_steps: int = MISSING  # steps between looks for a `liftoff profile` request in the store
 
     def check(self) -> list[str]:
         return failed([
@@ -452,6 +454,8 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "train.straggler_interval": ">= 1",
     "train.straggler_zscore": "> 0",
     "train.watchdog_timeout_s": "> 0",
+    "train.metrics_port": ("[0, 65535]", "0 disables"),
+    "train.profile_poll_steps": ">= 1",
     "train.peak_tflops": "> 0",
     "preflight.gemm_size": ">= 1",
     "preflight.gemm_iters": ">= 1",

@@ -19,6 +19,7 @@ REPLICA_SERVICE_ACCOUNT = "liftoff-replica"  # the TorchX replicas: no API right
 JOB_LABEL = "liftoff.dev/job"  # the stage's job name (train-<identity[:8]>): every run of one config shares it
 LAUNCH_LABEL = "liftoff.dev/launch"  # the driver's own launch id: which run a vcjob belongs to
 ATTEMPT_LABEL = "liftoff.dev/attempt"  # that launch's attempt (0, then each relaunch after a failure)
+METRICS_PORT_NAME = "metrics"  # train.metrics_port on a replica's container; deploy/monitoring's PodMonitor scrapes it
 # the driver pod (KFP v2 sets both in every executor container, by the downward API; POD_* elsewhere)
 DRIVER_POD_ENV = (("KFP_POD_NAME", "KFP_POD_UID"), ("POD_NAME", "POD_UID"))
 # env name in the replica -> key in the Secret `store.secret_name` (deploy/minio-secret.yaml)
@@ -139,6 +140,7 @@ def finish_job(
     launch_id: str | None = None,
     attempt: int = 0,
     owner: dict[str, str] | None = None,
+    metrics_port: int = 0,
 ) -> dict[str, Any]:
     """What TorchX's generated Volcano job lacks, on every replica's pod: store credentials by
     `secretKeyRef` (never literal values: whoever can read vcjobs could read them), the GPU
@@ -178,6 +180,8 @@ def finish_job(
             spec.image_pull_secrets = [V1LocalObjectReference(name=n) for n in cluster.image_pull_secrets]
         spec.automount_service_account_token = False  # the replicas call no Kubernetes API
         _fabric(pod, cluster)
+        if metrics_port:
+            _scraped(pod, metrics_port)
         for container in spec.containers:
             container.image_pull_policy = cluster.image_pull_policy
             env = [e for e in container.env or [] if e.name not in STORE_SECRET_KEYS]
@@ -190,6 +194,18 @@ def finish_job(
                 ]
             container.env = env
     return resource
+
+
+def _scraped(pod, port: int) -> None:
+    """A replica serving Prometheus metrics: the annotations annotation-based scrape configs
+    read, and a named container port the PodMonitor in deploy/monitoring/ selects."""
+    from kubernetes.client import V1ContainerPort
+
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+    pod.metadata.annotations = {**(pod.metadata.annotations or {}), **scrape}
+    for container in pod.spec.containers:
+        ports = [p for p in container.ports or [] if p.name != METRICS_PORT_NAME]
+        container.ports = [*ports, V1ContainerPort(name=METRICS_PORT_NAME, container_port=port, protocol="TCP")]
 
 
 def _fabric(pod, cluster) -> None:

@@ -89,6 +89,7 @@ class Launch:
     # which run this is (the spec's launch or run id, else a new one): on Kubernetes every
     # attempt's vcjob carries it, and a driver deletes only its own launch's earlier attempts
     launch_id: str = ""
+    metrics_port: int = 0  # the replicas serve Prometheus metrics there: their pods carry scrape annotations
 
     def __post_init__(self):
         spec_id = getattr(self.spec, "launch_id", None) or getattr(self.spec, "run_id", None)
@@ -258,6 +259,7 @@ def kubernetes_job(
         launch_id=launch.launch_id,
         attempt=attempt,
         owner=k8s.driver_owner(ns),
+        metrics_port=launch.metrics_port,
     )
     return info
 

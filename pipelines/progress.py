@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from components.train.prometheus import node_port
+
 STAGES = ("tokenize", "preflight", "train", "validate", "evaluate")
 _SYNC = b"\x00liftoff-sync\n"  # written through the captured stream: everything before it has been read
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -230,6 +232,14 @@ def _value(x):
     return getattr(x, "value", x)
 
 
+def metrics_where(port: int, nodes: int, local: bool) -> str:
+    """Where the train stage's nodes serve their metrics (components/train/prometheus.py)."""
+    if not local:
+        return f"port {port} of each replica pod (deploy/monitoring/)"
+    urls = [f"http://127.0.0.1:{node_port(port, i, True)}/metrics" for i in range(nodes)]
+    return " ".join(urls)
+
+
 def stage_plan(name: str, cfg) -> str:
     """What a stage is about to do, from the composed config."""
     c, t = cfg.cluster, cfg.train
@@ -242,7 +252,11 @@ def stage_plan(name: str, cfg) -> str:
     if name == "train":
         parts = [f"{c.nodes} node{'s' if c.nodes > 1 else ''}", _value(t.precision)]
         parts += ["activation checkpointing"] if t.activation_checkpointing else []
-        return ", ".join([*parts, _value(t.parallelism), f"{t.steps} steps"])
+        parts += [_value(t.parallelism), f"{t.steps} steps"]
+        if t.metrics_port:
+            local = _value(c.scheduler) == "local_cwd"
+            parts.append(f"Prometheus metrics on {metrics_where(t.metrics_port, c.nodes, local)}")
+        return ", ".join(parts)
     if name == "validate":
         return "file hashes, loading, a finite forward pass, loss against training's"
     if name == "evaluate":

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,10 +76,19 @@ class Checkpointer:
         self._background_error: BaseException | None = None
         self.publish_errors: list[str] = []  # reported at the end of training (rank 0); never kill it
         self._pg = dist.new_group(backend="gloo")  # saves run collectives off the training stream
+        # the last save's time on the training thread, and its seal and publish in the background
+        self.seconds = {"checkpoint_blocking_s": 0.0, "checkpoint_background_s": 0.0}
         root.mkdir(parents=True, exist_ok=True)
 
     def save(self, step: int, model, optimizer, meta: dict, rank_state: dict, history: Path | None = None) -> None:
         """`history`: rank 0's metrics.jsonl, kept with the checkpoint (a resume on a new pod restores it)."""
+        t0 = time.perf_counter()
+        try:
+            self._save(step, model, optimizer, meta, rank_state, history)
+        finally:
+            self.seconds["checkpoint_blocking_s"] = time.perf_counter() - t0
+
+    def _save(self, step: int, model, optimizer, meta: dict, rank_state: dict, history: Path | None) -> None:
         self.wait()
         tmp = self.root / f"step-{step}.tmp"
         if self.local_leader and tmp.exists():
@@ -152,10 +162,13 @@ class Checkpointer:
 
     def _in_background(self, fn, *args) -> None:
         def run() -> None:
+            t0 = time.perf_counter()
             try:
                 fn(*args)
             except BaseException as e:  # raised on the training thread by the next wait()
                 self._background_error = e
+            finally:
+                self.seconds["checkpoint_background_s"] = time.perf_counter() - t0
 
         self._background = threading.Thread(target=run, name=f"checkpoint-{fn.__name__}", daemon=True)
         self._background.start()

@@ -152,6 +152,7 @@ class Monitor:
         straggler_z: float,
         tensorboard_interval: int = 1,
         device: torch.device | None = None,
+        exporter=None,
     ):
         self.rank, self.world, self.tb_interval = rank, world, tensorboard_interval
         self.device = device or torch.device("cpu")  # NCCL collectives need device tensors
@@ -159,6 +160,7 @@ class Monitor:
         self.losses: deque[float] = deque(maxlen=50)
         self.step_times: list[float] = []
         self.out_dir = out_dir
+        self.exporter = exporter  # components/train/prometheus.py, with train.metrics_port
         self._jsonl = self._tb = None
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -171,6 +173,8 @@ class Monitor:
         # backward and the optimizer include waiting for the slowest rank, which would make
         # every fast rank look slow.
         self.step_times.append(record["forward_s"])
+        if self.exporter is not None:
+            self.exporter.step(record)
         if record.get("loss") is not None and record["stepped"]:
             if len(self.losses) >= 10 and record["loss"] > self.spike_factor * statistics.median(self.losses):
                 self.event(
@@ -180,6 +184,8 @@ class Monitor:
                     running_median=statistics.median(self.losses),
                     factor=self.spike_factor,
                 )
+                if self.exporter is not None:
+                    self.exporter.spike()
             self.losses.append(record["loss"])
         if self.rank != 0:
             return
@@ -243,7 +249,10 @@ class Monitor:
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
         times = [float(t) for t in gathered]
-        slow = [r for r, z in enumerate(leave_one_out_z(times)) if z > self.straggler_z]
+        z_scores = leave_one_out_z(times)
+        if self.exporter is not None and self.rank == 0:
+            self.exporter.stragglers(z_scores, self.hosts)
+        slow = [r for r, z in enumerate(z_scores) if z > self.straggler_z]
         for r in slow:
             self.event(
                 "straggler",
@@ -269,6 +278,8 @@ class Monitor:
         self._jsonl = open(self.history, "a", buffering=1)
 
     def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
         if self.rank == 0:
             self._jsonl.close()
             if self._tb is not None:

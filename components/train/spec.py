@@ -21,6 +21,7 @@ class TrainSpec(WorkerSpec):
     launch_id: str  # names this launch's run record in the store
     run_dir: str  # inside the replica, relative to its own working directory
     checkpoint_dir: str  # likewise; each node keeps its own checkpoints under it
+    nodes_share_host: bool = False  # local_cwd: every "node" on this host (metrics ports differ per node)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.config import ClusterConfig, ModelConfig, TrainConfig, as_plain_dict, drop_none
+from components.config import ClusterConfig, ModelConfig, Scheduler, TrainConfig, as_plain_dict, drop_none
 from components.launcher import Launch, replica_store, run_app
 from components.store import ArtifactStore, Manifest, Ref
 from components.store.lease import Lease, default_holder
@@ -46,6 +46,8 @@ NOT_IDENTITY = {
     "compile",
     "activation_checkpointing",
     "ac_every_n_blocks",
+    "metrics_port",
+    "profile_poll_steps",
 }
 
 
@@ -114,9 +116,11 @@ def train_launch(
         launch_id=f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}",
         run_dir="run",
         checkpoint_dir=str(ckpt_dir / identity),
+        nodes_share_host=cluster.scheduler == Scheduler.local_cwd,
     )
     name = f"train-{identity[:8]}"
     launch = Launch("components.train.worker", spec, cluster, name, run_dir / "logs", run_dir / "nodes", exclude_nodes)
+    launch.metrics_port = train.metrics_port
     return identity, run_dir, launch
 
 

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -43,6 +44,7 @@ from components.train.monitor import DeviceTimer, Monitor, StepLine, Watchdog, d
 from components.train.nonfinite import clean_name, first_nonfinite_module
 from components.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
 from components.train.parallel import apply_compile, gradient_sync, wrap
+from components.train.prometheus import exporter_for
 from components.train.resume import Resumed, find_resume_checkpoint
 from components.train.spec import TrainSpec, WorkerResult
 
@@ -132,6 +134,8 @@ def build_job(spec: TrainSpec) -> Job:
     scaler = torch.amp.GradScaler(device.type) if train.loss_scaling else None
 
     checkpointer = build_checkpointer(spec, train, store, model_cfg.name, rank)
+    node = os.environ.get("NODE_NAME") or socket.gethostname()
+    exporter = exporter_for(train.metrics_port, spec.identity, rank, node, spec.launch_id, spec.nodes_share_host)
     monitor = Monitor(
         Path(spec.run_dir),
         rank,
@@ -140,6 +144,7 @@ def build_job(spec: TrainSpec) -> Job:
         train.straggler_zscore,
         train.log_interval,
         device,
+        exporter,
     )
     float8 = [clean_name(n) for n in float8_modules(model)]  # read from the model that trains
     return Job(
@@ -488,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             hook(step)
         record = train_step(job, state)
         record["mfu"] = line.mfu(record["tokens_per_s"])
+        record.update(job.checkpointer.seconds)
         job.monitor.log_step(record)
         if job.rank == 0 and (text := line.add(record)):
             log.info(text)

@@ -38,6 +38,7 @@ FABRIC = [
     "{name:spill,mount_path:/spill,kind:emptyDir,size_gb:100},{name:shared,mount_path:/shared,kind:pvc,claim_name:ckpt}]",
     "train.checkpoint_dir=/scratch/checkpoints",
     "store.cache_dir=/scratch/cache",
+    "train.metrics_port=9400",
 ]
 
 
@@ -383,6 +384,26 @@ def test_rendered_jobs_carry_policies_ttl_the_fabric_and_the_volumes(rendered, j
             assert env["NCCL_IB_HCA"] == "=mlx5_0" and env["NCCL_SOCKET_IFNAME"] == "eth0"
             mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
             assert mounts == {"dshm": "/dev/shm", "scratch": "/scratch", "spill": "/spill", "shared": "/shared"}
+
+
+def test_train_replicas_carry_the_scrape_annotations_and_the_port_the_podmonitor_selects(rendered):
+    """Issue 25, acceptance 1 (the cluster side): with train.metrics_port every train replica pod
+    is annotated for annotation-based scrape configs and names the port deploy/monitoring's
+    PodMonitor scrapes, on pods its selector matches (schema-checked above); preflight's are not."""
+    monitor = yaml.safe_load((ROOT / "deploy" / "monitoring" / "podmonitor.yaml").read_text())
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    selected = [e["key"] for e in monitor["spec"]["selector"]["matchExpressions"] if e["operator"] == "Exists"]
+    for task in rendered["train"]["spec"]["tasks"]:
+        pod = task["template"]
+        annotations = pod["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == "9400" and annotations["prometheus.io/path"] == endpoint["path"]
+        assert all(key in pod["metadata"]["labels"] for key in selected)
+        for c in pod["spec"]["containers"]:
+            ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+            assert ports[endpoint["port"]] == 9400
+    for task in rendered["preflight"]["spec"]["tasks"]:
+        assert "prometheus.io/scrape" not in task["template"]["metadata"].get("annotations", {})
 
 
 def test_the_train_job_keeps_checkpoints_and_the_data_cache_on_the_volume(rendered):
