@@ -138,6 +138,32 @@ def cmd_plan(args: list[str]) -> int:
     return 1
 
 
+def cmd_profile(args: list[str]) -> int:
+    """Trace N steps of a running training with torch.profiler on every rank; wait for the profile.
+
+    RUN            the training: its identity (or a prefix), the train job's name (train-<8 hex>),
+                   a run/ or model/ ref; omitted: the one training running in the store
+    --steps N      steps to trace (default 3), from the next step the training looks for requests
+                   (every train.profile_poll_steps steps)
+    --timeout S    how long to wait for the published profile (default 600)
+
+    Prints the `profile/MODEL@VERSION` ref: a Chrome trace per rank and summary.html (top ops,
+    communication against compute, every rank side by side); `liftoff artifacts get REF` fetches it.
+    """
+    from components.store import open_store
+    from pipelines.profile import profile
+
+    steps, args = _option(args, ("--steps",))
+    timeout, args = _option(args, ("--timeout",))
+    words, overrides = _split(args)
+    if len(words) > 1:
+        raise UsageError(f"liftoff profile takes one RUN, got {' '.join(words)}")
+    store = open_store(OmegaConf.to_object(compose(overrides).store), create=False)
+    ref = profile(store, words[0] if words else None, int(steps or 3), float(timeout or 600))
+    print(f"profile {ref}: liftoff artifacts get {ref}  (summary.html, rank<r>.pt.trace.json.gz)")
+    return 0
+
+
 def _multirun(args: list[str]) -> tuple[bool, list[str]]:
     multi = "-m" in args or "--multirun" in args
     return multi, [a for a in args if a not in ("-m", "--multirun")]
@@ -294,6 +320,11 @@ COMMANDS: dict[str, Command] = {
         cmd_artifacts,
         f"{ARTIFACTS_USAGE.removeprefix('liftoff ')} [overrides]",
         "list, show and download (get) the versions in the store",
+    ),
+    "profile": Command(
+        cmd_profile,
+        "profile [RUN] [--steps N] [--timeout S] [overrides]",
+        "trace N steps of a running training on every rank; the profile lands in the store",
     ),
     "compile": Command(
         cmd_compile,

@@ -33,7 +33,18 @@ def test_help_lists_every_command_on_one_line(capsys):
     for name in COMMANDS:
         lines = [ln for ln in out.splitlines() if ln.startswith(f"  {name} ")]
         assert len(lines) == 1 and len(lines[0].split(maxsplit=1)) == 2, (name, out)
-    assert set(COMMANDS) == {"config", "run", "plan", "artifacts", "compile", "render", "upload", "submit"}
+    assert set(COMMANDS) == {
+        "config",
+        "run",
+        "plan",
+        "artifacts",
+        "compile",
+        "render",
+        "upload",
+        "submit",
+        "profile",
+        "compare",
+    }
 
 
 def test_no_command_is_usage_on_stderr_exit_2(capsys):

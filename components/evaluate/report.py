@@ -8,38 +8,12 @@ import html
 import json
 from pathlib import Path
 
+from components.page import STYLE, header
 from components.plots import curve_png, loss_png, read_timeline
 from components.store import Manifest
 
 LOWER_IS_BETTER = {"val_loss", "val_perplexity", "val_bits_per_byte", "perplexity_vs_unigram"}
 HIGHER_IS_BETTER = {"inference_tokens_per_s"}
-
-STYLE = """
-body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2330;background:#f4f6fa;margin:0}
-main{max-width:1180px;margin:0 auto;padding:24px}
-header#identity{background:#1d2b4f;color:#fff;border-radius:10px;padding:18px 24px;margin-bottom:20px}
-header#identity h1{margin:0 0 12px;font-size:22px}
-header#identity dl{display:grid;grid-template-columns:max-content 1fr max-content 1fr;gap:4px 16px;margin:0}
-header#identity dt{color:#a9b8de}
-header#identity dd{margin:0;font-family:ui-monospace,Menlo,monospace;word-break:break-all}
-section{background:#fff;border-radius:10px;padding:16px 24px;margin-bottom:20px;box-shadow:0 1px 3px #0002}
-h2{font-size:18px;margin:4px 0 12px}
-.cards{display:flex;gap:12px;flex-wrap:wrap}
-.card{background:#eef2fb;border-radius:8px;padding:10px 16px;min-width:150px}
-.card b{display:block;font-size:22px}
-.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:12px}
-figure{margin:0;text-align:center}
-figure img{max-width:100%;border:1px solid #dde2ec;border-radius:6px}
-figcaption{color:#56607a;font-size:13px}
-table{border-collapse:collapse;width:100%}
-th,td{text-align:left;padding:5px 10px;border-bottom:1px solid #e3e7ef}
-th{background:#eef2fb}
-#metrics th:not(:first-child){text-align:right}
-td.num{text-align:right;font-family:ui-monospace,Menlo,monospace}
-.better{color:#107a3a}.worse{color:#b3261e}
-.sample{white-space:pre-wrap;font-family:ui-monospace,Menlo,monospace}
-.note{color:#56607a}
-"""
 
 
 def identity_rows(
@@ -112,8 +86,7 @@ def report_html(
 
 
 def _header(title: str, identity: dict[str, str]) -> str:
-    cells = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in identity.items())
-    return f"<header id='identity'><h1>Evaluation of {html.escape(title)}</h1><dl>{cells}</dl></header>"
+    return header(f"Evaluation of {title}", identity)
 
 
 def _summary(metrics: dict[str, float]) -> str:
@@ -126,7 +99,14 @@ def _summary(metrics: dict[str, float]) -> str:
     cards = "".join(
         f"<div class='card'>{label}<b>{metrics[key]:.4g}</b></div>" for key, label in shown if key in metrics
     )
-    return f"<section id='summary'><div class='cards'>{cards}</div></section>"
+    note = (
+        "<p class='note'>perplexity / unigram: the model's val perplexity over that of predicting each val "
+        "token from the training tokens' frequencies alone (add-one smoothed); below 1 the model has learnt "
+        "more than token frequencies, 1 or above it has not.</p>"
+        if "perplexity_vs_unigram" in metrics
+        else ""
+    )
+    return f"<section id='summary'><div class='cards'>{cards}</div>{note}</section>"
 
 
 def _curves(training_metrics: Path | None) -> str:

@@ -22,8 +22,9 @@ PINNED = "manifest.pinned.json"
 RESERVED = (MANIFEST, QUARANTINED, PINNED)  # file names no artifact may have at its top level
 LEASES = "_leases"  # top-level prefix of the leases (lease.py); store-internal prefixes start with "_"
 # what the stages publish: tokenize (the dataset, its per-shard token blocks, the tokenizer trained
-# once before a fanned-out tokenization), train (checkpoints, the model, the run's record), preflight, evaluate
-KINDS = ("dataset", "shard", "tokenizer", "checkpoint", "model", "run", "preflight", "eval")
+# once before a fanned-out tokenization), train (checkpoints, the model, the run's record, on-demand profiles),
+# preflight, evaluate
+KINDS = ("dataset", "shard", "tokenizer", "checkpoint", "model", "run", "preflight", "eval", "profile")
 _PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
 
 

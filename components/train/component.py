@@ -64,5 +64,13 @@ def train(
     trained_model.metadata["preflight_excluded_nodes"] = sorted(verdict.get("unhealthy", {}))
     for name, value in final_metrics(result.metrics).items():
         metrics.log_metric(name, value)
-    Path(curves.path).write_text(curves_html(result.metrics))
+    run = {
+        "training run": result.identity,
+        "model": ref,
+        "started": result.result.continued,
+        "precision": result.result.precision,
+        "world": f"{result.result.world} ranks",
+        "steps": str(result.result.steps),
+    }
+    Path(curves.path).write_text(curves_html(result.metrics, run))
     return ref

@@ -6,6 +6,7 @@ import json
 import statistics
 from pathlib import Path
 
+from components import page
 from components.plots import curve_png, loss_png, read_records, read_timeline, timeline
 
 
@@ -34,7 +35,9 @@ def final_metrics(path: Path) -> dict[str, float]:
     return out
 
 
-def curves_html(path: Path) -> str:
+def curves_html(path: Path, identity: dict[str, str] | None = None) -> str:
+    """The run's curves as the Kubeflow UI shows them: the run's identity, then loss (train and
+    val), lr, grad norm, throughput, memory and step time, then the events it recorded."""
     records = [json.loads(line) for line in Path(path).read_text().splitlines()]
     steps, vals = timeline(records)
     plots = [
@@ -45,16 +48,27 @@ def curves_html(path: Path) -> str:
         (curve_png(steps, "peak_memory_bytes", "peak memory (GiB)", 2**-30), "peak memory"),
         (curve_png(steps, "step_s", "step time (s)"), "step time"),
     ]
-    imgs = "".join(
-        f'<figure><img alt="{label}" src="data:image/png;base64,{png}"/><figcaption>{label}</figcaption></figure>'
-        for png, label in plots
-    )
     events = [r for r in records if r.get("kind") not in ("step", "val")]
-    rows = "".join(
-        f"<tr><td>{e['kind']}</td><td>{json.dumps({k: v for k, v in e.items() if k != 'kind'})}</td></tr>"
-        for e in events
-    )
-    return (
-        f"<html><body><h2>Training curves</h2>{imgs}<h3>Events</h3>"
-        f"<table border=1><tr><th>event</th><th>details</th></tr>{rows}</table></body></html>"
-    )
+    rows = [[e["kind"], e.get("step", ""), _details(e)] for e in events]
+    title = (identity or {}).get("training run", "training run")
+    body = [
+        page.header(f"Training curves of {title}", identity or {}),
+        page.section("curves", "Curves", page.figures(plots)),
+        page.section("events", "Events", page.table(["event", "step", "details"], rows, numeric_from=9)),
+    ]
+    return page.page(f"liftoff training: {title}", body)
+
+
+def _details(event: dict) -> str:
+    """`key value, key value` of an event record, numbers short, lists abridged."""
+
+    def short(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, list):
+            return f"{len(v)} items" if len(v) > 4 else ", ".join(map(str, v))
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k}: {short(x)}" for k, x in v.items()) + "}"
+        return str(v)
+
+    return "; ".join(f"{k} {short(v)}" for k, v in event.items() if k not in ("kind", "step", "time"))

@@ -44,6 +44,7 @@ from components.train.monitor import DeviceTimer, Monitor, StepLine, Watchdog, d
 from components.train.nonfinite import clean_name, first_nonfinite_module
 from components.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
 from components.train.parallel import apply_compile, gradient_sync, wrap
+from components.train.profiler import Profiler
 from components.train.prometheus import exporter_for
 from components.train.resume import Resumed, find_resume_checkpoint
 from components.train.spec import TrainSpec, WorkerResult
@@ -467,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     job = build_job(worker_spec(argv, TrainSpec))
     state = TrainState()
     install_plugin(job, state)
+    profiler = Profiler(job.store, job.identity, job.model_cfg.name, job.spec.dataset, job.rank,
+                        job.train.profile_poll_steps, job.device)  # fmt: skip
+    job.on_step.append(profiler.on_step)  # `liftoff profile`: a request in the store, looked for every few steps
     resumed_from = resume(job, state)
     if job.rank == 0:
         job.monitor.event(
@@ -502,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         if validates_at(step, job.train.val_interval, job.train.steps):
             validate(job, step)
         checkpoint_or_rollback(job, state, record)
+    profiler.close(state.step)
     result = finish(job, state, resumed_from)
     job.sampler.blocks.close()  # no prefetch left running
     job.val.close()
