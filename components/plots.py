@@ -37,16 +37,20 @@ def read_timeline(path: Path) -> tuple[list[dict], list[dict]]:
     return timeline([json.loads(line) for line in Path(path).read_text().splitlines()])
 
 
-def lines_png(series: list[tuple[str, list[float], list[float]]], ylabel: str, figsize=(5, 3)) -> str:
-    """A base64 PNG of one or more (label, steps, values) lines against the step."""
+def lines_png(
+    series: list[tuple[str, list[float], list[float]]], ylabel: str, figsize=(5, 3), styles: list[dict] | None = None
+) -> str:
+    """A base64 PNG of one or more (label, steps, values) lines against the step; `styles`: each
+    line's matplotlib keywords (colour, dashes), in the colour cycle's order without it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=figsize)
-    for label, xs, ys in series:
-        ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=3)
+    for i, (label, xs, ys) in enumerate(series):
+        style = (styles or [{}] * len(series))[i]
+        ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=3, **style)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)

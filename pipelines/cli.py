@@ -164,6 +164,30 @@ def cmd_profile(args: list[str]) -> int:
     return 0
 
 
+def cmd_compare(args: list[str]) -> int:
+    """Runs side by side: config keys that differ, metrics with deltas against the first REF, and
+    one HTML report with the tables and every run's curves overlaid.
+
+    REF            a model/, eval/ or run/ version in the store (two or more); a model's newest
+                   evaluation is used, an eval/ REF names its own
+    --out PATH     where the report goes (default <train.run_dir>/compare/<date>_<time>.html)
+    """
+    import time
+    from pathlib import Path
+
+    from components.store import open_store
+    from pipelines.compare import compare
+
+    out, args = _option(args, ("--out", "-o"))
+    refs, overrides = _split(args)
+    cfg = compose(overrides)
+    store = open_store(OmegaConf.to_object(cfg.store), create=False)
+    path = Path(out) if out else Path(cfg.train.run_dir) / "compare" / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}.html"
+    for line in compare(store, refs, path):
+        print(line)
+    return 0
+
+
 def _multirun(args: list[str]) -> tuple[bool, list[str]]:
     multi = "-m" in args or "--multirun" in args
     return multi, [a for a in args if a not in ("-m", "--multirun")]
@@ -325,6 +349,11 @@ COMMANDS: dict[str, Command] = {
         cmd_profile,
         "profile [RUN] [--steps N] [--timeout S] [overrides]",
         "trace N steps of a running training on every rank; the profile lands in the store",
+    ),
+    "compare": Command(
+        cmd_compare,
+        "compare REF REF... [--out PATH] [overrides]",
+        "runs side by side: config diffs, metric deltas, curves overlaid in one HTML report",
     ),
     "compile": Command(
         cmd_compile,
