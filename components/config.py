@@ -234,6 +234,11 @@ class PreflightConfig:
         return failed(rules)
 
 
+# what the evaluate stage records in its artifact's metrics (components/evaluate/stage.py)
+EVAL_METRICS = ("val_loss", "val_perplexity", "val_bits_per_byte", "unigram_perplexity", "perplexity_vs_unigram",
+                "inference_tokens_per_s", "val_tokens")  # fmt: skip
+
+
 @dataclass
 class EvalConfig:
     val_blocks: int = MISSING  # 0 = the whole val split
@@ -243,9 +248,12 @@ class EvalConfig:
     max_new_tokens: int = MISSING
     lm_eval_tasks: list[str] = MISSING
     baseline: str | None = MISSING  # a model version in the store to compare against
+    objective: str = MISSING  # the metric a Bayesian sweep optimizes (pipelines/sweep.py)
 
     def check(self) -> list[str]:
-        return []  # every eval key is a range: BOUNDS
+        known = self.objective in EVAL_METRICS or self.objective.startswith("lm_eval/")
+        why = f"{self.objective!r} is not a metric evaluate records ({', '.join(EVAL_METRICS)}, lm_eval/...)"
+        return failed([("eval.objective", known, why)])
 
 
 @dataclass

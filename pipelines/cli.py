@@ -198,61 +198,30 @@ def cmd_run(args: list[str]) -> int:
     is; `-v` streams every process's log as well; `-m` sweeps and ends with a table."""
     from pipelines.local import display_path, expand_sweep, multirun_folder, new_run_folder, run_local
     from pipelines.progress import summary_lines
+    from pipelines.sweep import model_ref, model_refs, run_sweep, sweep_table, sweeper_of, without_hydra
 
     verbose = "-v" in args or "--verbose" in args
     multi, args = _multirun([a for a in args if a not in ("-v", "--verbose")])
     overrides = _overrides_only("run", args)
-    jobs = expand_sweep(overrides) if multi else [overrides]
+    if multi and sweeper_of(overrides) != "basic":  # hydra/sweeper=optuna: Hydra's multirun samples the trials
+        return run_sweep(overrides, verbose)
+    jobs = expand_sweep(without_hydra(overrides)) if multi else [overrides]
     configs = [compose(job) for job in jobs]  # every job's config is checked before the first runs
     sweep = multirun_folder() if multi else None
     rows = []
     for i, (job, cfg) in enumerate(zip(jobs, configs, strict=True)):
         folder = new_run_folder(cfg, job, sweep / str(i) if sweep else None)
         print(f"== {' '.join(['liftoff run', *job])}  ({display_path(folder)})", flush=True)
-        known = _model_refs(cfg)
+        known = model_refs(cfg)
         result = run_local(cfg, folder, verbose)
         for line in summary_lines(result):
             print(line)
-        rows.append((job, result, _model_ref(result) in known))
+        rows.append((job, result, model_ref(result) in known))
     if multi:
-        table = _sweep_table(rows)
+        table = sweep_table(rows)
         (sweep / "sweep.md").write_text("\n".join(table) + "\n")
         print("\n" + "\n".join(table))
     return 0
-
-
-def _model_refs(cfg) -> set[str]:
-    """The model versions in the store before a job runs: one it ends with again was reused."""
-    from components.store import open_store
-
-    return {str(m.ref) for m in open_store(OmegaConf.to_object(cfg.store)).ls("model")}
-
-
-def _model_ref(result: dict) -> str | None:
-    train = result["stages"].get("train")
-    return train.outputs.get("Output") if train is not None else None
-
-
-def _sweep_table(rows: list) -> list[str]:
-    """One row per job: its overrides, model version, train and val loss, throughput, wall time,
-    and whether its model was already in the store (reused from an earlier run)."""
-    head = "| job | overrides | model | started | train loss | val loss | val perplexity | tokens/s | wall s | reused |"
-    lines = [head, "|---" * 10 + "|"]
-    for i, (job, result, reused) in enumerate(rows):
-        m = result["metrics"]
-        train = result["stages"].get("train")
-        t = dict(getattr(train.outputs.get("metrics"), "metadata", None) or {}) if train is not None else {}
-        model = (_model_ref(result) or "-").split("@")[-1]
-        started = _meta_of(train, "trained_model").get("continued", "-") if train is not None else "-"
-        cells = [str(i), " ".join(job) or "(defaults)", model, started, f"{t.get('final_loss', float('nan')):.4f}"]
-        cells += [f"{m['val_loss']:.4f}", f"{m['val_perplexity']:.2f}", f"{t.get('tokens_per_s', 0):,.0f}"]
-        cells += [f"{result['seconds']:.0f}", "yes (same model as before)" if reused else "no"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _meta_of(stage, output: str) -> dict:
-    return dict(getattr(stage.outputs.get(output), "metadata", None) or {})
 
 
 def cmd_compile(args: list[str]) -> int:
@@ -288,11 +257,14 @@ def cmd_submit(args: list[str]) -> int:
     """Submit to Kubeflow Pipelines; `--wait` follows every run and exits 1 unless all succeed."""
     from pipelines.cluster import run_url, submit, sweep_name, wait
     from pipelines.local import expand_sweep
+    from pipelines.sweep import submit_sweep, sweeper_of, without_hydra
 
     follow = "--wait" in args
     multi, args = _multirun([a for a in args if a != "--wait"])
     overrides = _overrides_only("submit", args)
-    jobs = expand_sweep(overrides) if multi else [overrides]
+    if multi and sweeper_of(overrides) != "basic":  # each trial submitted, waited for, scored from the store
+        return submit_sweep(overrides)
+    jobs = expand_sweep(without_hydra(overrides)) if multi else [overrides]
     configs = [compose(job) for job in jobs]
     experiment = configs[0].kfp.experiment or sweep_name(overrides)
     runs = []

@@ -85,6 +85,13 @@ def run_lm_eval(model_dir: Path, tasks: list[str]) -> dict[str, float]:
     return out
 
 
+def eval_suffix(cfg: EvalConfig) -> str:
+    """What an eval version adds to its model's: the hash of how it measured (the objective a
+    sweep reads is not part of the measurement)."""
+    measured = {k: v for k, v in asdict(cfg).items() if k != "objective"}
+    return hashlib.sha256(json.dumps(measured).encode()).hexdigest()[:8]
+
+
 def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore) -> EvalResult:
     check_lm_eval_tasks(cfg.lm_eval_tasks)
     model_manifest = store.manifest(Ref.parse(model_ref))
@@ -100,7 +107,7 @@ def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore) -> EvalR
         base_metrics, _ = measure(store.fetch(base_manifest), store, data, cfg)
         deltas = {k: metrics[k] - base_metrics[k] for k in metrics if k in base_metrics}
         metrics.update({f"baseline_{k}": v for k, v in base_metrics.items()})
-    version = f"{model_manifest.ref.version}-{hashlib.sha256(json.dumps(asdict(cfg)).encode()).hexdigest()[:8]}"
+    version = f"{model_manifest.ref.version}-{eval_suffix(cfg)}"
     evaluated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     eval_ref = f"eval/{model_manifest.ref.name}@{version}"
     identity = identity_rows(model_manifest, data_ref, model_dir, evaluated, eval_ref)

@@ -20,6 +20,7 @@ class FakeKfp:
         self.final_state = "SUCCEEDED"  # what a run reports when `submit --wait` asks
         self.version = "2.14.0"  # the backend release its healthz reports (tag_name)
         self.through_ui = False  # answer healthz as ml-pipeline-ui does (apiServerTagName)
+        self.executor = None  # run(run body) when a run is created: a test's stand-in for the cluster running it
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -109,6 +110,8 @@ class FakeKfp:
             run = json.loads(body)
             run["run_id"] = f"r{len(self.runs) + 1}"
             self.runs.append(run)
+            if self.executor is not None:
+                self.executor(run)
             return run
         m = re.fullmatch(r"/apis/v2beta1/runs/([^/]+)", p)
         if method == "GET" and m:

@@ -175,3 +175,45 @@ def test_submit_with_a_session_cookie(in_tmp, monkeypatch):
     with FakeKfp() as kfp:
         assert main(["submit", f"kfp.host={kfp.url}"]) == 0
         assert all("authservice_session=sentinel-session" in r["headers"].get("cookie", "") for r in kfp.requests)
+
+
+def test_an_optuna_sweep_on_kfp_scores_each_run_by_the_eval_it_put_in_the_store(in_tmp, capsys):
+    """Issue 25 (Bayesian sweeps on the cluster): each trial is one KFP run in the sweep's
+    experiment, followed to its end; its objective is the eval artifact that run's evaluate stage
+    published (here: the stand-in runs the submitted parameters through kfp.local)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from components.config import compose
+    from components.store import open_store
+    from tests.pipeline.test_local_run import TOY
+
+    def execute(run: dict) -> None:
+        params = in_tmp / f"run-{run['run_id']}.json"
+        params.write_text(json.dumps(run["runtime_config"]["parameters"]))
+        root = str(Path(__file__).resolve().parents[2])
+        command = [sys.executable, "-m", "tests.pipeline.cluster_stand_in", str(params)]
+        env = {**os.environ, "PYTHONPATH": root}
+        subprocess.run(command, check=True, capture_output=True, cwd=in_tmp, timeout=300, env=env)
+
+    sweep = ["hydra/sweeper=optuna", "train.lr=interval(1e-3,1e-2)", "hydra.sweeper.n_trials=2"]
+    with FakeKfp() as kfp:
+        kfp.executor = execute
+        assert main(["submit", "-m", *sweep, *TOY, f"kfp.host={kfp.url}"]) == 0
+    assert len(kfp.runs) == 2 and len(kfp.experiments) == 1
+    lrs = [r["runtime_config"]["parameters"]["train"]["lr"] for r in kfp.runs]
+    store = open_store(OmegaConf.to_object(compose(TOY).store))
+    models = {m.metadata["train"]["lr"]: str(m.ref) for m in store.ls("model")}
+    val = {
+        lr: next(e.metadata["metrics"]["val_loss"] for e in store.ls("eval") if models[lr] in e.parents) for lr in lrs
+    }
+    (md,) = in_tmp.glob("multirun/*/*/sweep.md")
+    text = md.read_text()
+    for lr in lrs:
+        assert f"| train.lr={lr!r} | {val[lr]:.6g} |" in text, (lr, text)
+    best = min(val, key=val.get)
+    assert f"val_loss {val[best]:.6g}: train.lr={best!r}" in text

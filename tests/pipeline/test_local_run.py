@@ -162,3 +162,53 @@ def test_a_group_edited_as_the_ui_sends_it_fails_in_the_stage_naming_the_key(in_
     assert stage_lines and "must be >= 0 and < train.steps=10" in stage_lines[-1]
     assert executed(out) == ["tokenize-plan", "tokenize-shard", "tokenize-merge", "preflight"]  # train never launched
     assert not (in_tmp / "runs").exists()
+
+
+# one process in fp32: four whole runs of the DAG at toy size
+TOY = [*FAST, "cluster.nodes=1", "train.precision=fp32", "train.activation_checkpointing=false"]
+
+
+def test_an_optuna_sweep_runs_its_trials_and_reports_the_best_read_from_the_store(in_tmp, capfd):
+    """Issue 25, acceptance 3: Hydra's Optuna sweeper samples four learning rates in the interval;
+    each trial is a whole run whose objective is its eval artifact's val loss in the store, and
+    sweep.md / sweep.html name the best."""
+    from omegaconf import OmegaConf
+
+    from components.config import compose
+    from components.store import open_store
+
+    sweep_args = ["hydra/sweeper=optuna", "train.lr=interval(1e-4,1e-2)", "hydra.sweeper.n_trials=4"]
+    assert main(["run", "-m", *sweep_args, *TOY]) == 0
+    out = capfd.readouterr().out
+    (sweep,) = (in_tmp / "multirun").glob("*/*")
+    trials = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in trials] == ["0", "1", "2", "3"]
+    lrs = []
+    for folder in trials:
+        (lr,) = [o for o in OmegaConf.load(folder / ".hydra" / "overrides.yaml") if o.startswith("train.lr=")]
+        lrs.append(float(lr.split("=", 1)[1]))
+    assert len(set(lrs)) == 4 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
+    # each trial's objective, read here from the store: the eval of the model trained at that lr
+    store = open_store(OmegaConf.to_object(compose(TOY).store))
+    models = {m.metadata["train"]["lr"]: str(m.ref) for m in store.ls("model")}
+    val = {
+        lr: next(e.metadata["metrics"]["val_loss"] for e in store.ls("eval") if models[lr] in e.parents) for lr in lrs
+    }
+    best_lr = min(val, key=val.get)
+    md = (sweep / "sweep.md").read_text()
+    for lr, loss in val.items():
+        assert re.search(rf"\| train\.lr={re.escape(repr(lr))}\S* .*\| {loss:.6g} \|", md), (lr, loss, md)
+    best = re.search(r"^best: trial (\d), val_loss (\S+): (.*)$", md, re.M)
+    assert best and float(best[2]) == pytest.approx(val[best_lr], rel=1e-5) and f"train.lr={best_lr!r}" in best[3]
+    assert OmegaConf.load(sweep / "optimization_results.yaml").best_value == pytest.approx(val[best_lr])
+    assert "sweep.md, sweep.html" in out
+    html = (sweep / "sweep.html").read_text()
+    assert html.count("data:image/png;base64,") == 2  # objective per trial, parameter importance
+
+
+def test_a_search_space_the_rules_refuse_fails_before_any_trial(in_tmp, capfd):
+    """train.min_lr <= train.lr is a rule: an interval reaching below min_lr is one line, exit 2, no run."""
+    assert main(["run", "-m", "hydra/sweeper=optuna", "train.lr=interval(1e-6,1e-2)", *TOY]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.lr=interval(1e-6,1e-2)" in err[0] and "train.min_lr" in err[0], err
+    assert not list(in_tmp.glob("multirun/*/*/0"))

@@ -158,6 +158,9 @@ def test_evaluate_beats_unigram_and_reports(trained):
         ref, defaults("eval", val_blocks=32, prompts=["In the beginning"], max_new_tokens=8), trainer.store
     )
     m = result.metrics
+    from components.config import EVAL_METRICS
+
+    assert set(m) <= set(EVAL_METRICS), set(m) - set(EVAL_METRICS)  # what eval.objective may name
     assert m["val_perplexity"] < m["unigram_perplexity"], m
     assert 0 < m["val_bits_per_byte"] < 8 and m["inference_tokens_per_s"] > 0
     assert result.samples[0]["prompt"] == "In the beginning" and result.samples[0]["continuation"]

@@ -1,0 +1,173 @@
+"""A running local 2-node training watched from outside, as an operator would: its Prometheus
+endpoints scraped over HTTP while it trains, and `liftoff profile` asked to trace it. One
+training serves both tests (module fixture); the monitoring files in deploy/ are held to what
+the endpoints served."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from components.store import Ref
+from pipelines.cli import main
+from pipelines.profile import running_trainings
+from tests.conftest import Trainer
+from tests.faults import injected
+
+ROOT = Path(__file__).resolve().parents[2]
+MONITORING = ROOT / "deploy" / "monitoring"
+
+
+def two_free_ports() -> int:
+    """A port p with p + 1 free as well (node 1 serves on p + 1 locally)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]] | None:
+    """metric name -> {(rank, node): value}; None while nothing serves there."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[(s.labels.get("rank"), s.labels.get("node"))] = s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def watched(dataset_store, tmp_path_factory):
+    trainer = Trainer(dataset_store, tmp_path_factory.mktemp("watched"))
+    port = two_free_ports()
+    urls = [f"http://127.0.0.1:{port}/metrics", f"http://127.0.0.1:{port + 1}/metrics"]
+    done: dict = {"scrapes": [], "node1": []}
+
+    def train() -> None:
+        try:
+            with injected(slow_rank=0, slow_seconds=0.25):  # a steady pace: a few steps a second
+                done["result"] = trainer.run(
+                    "cluster.nodes=2",
+                    "train.steps=30",
+                    "train.checkpoint_interval=15",
+                    "train.straggler_interval=4",
+                    "train.peak_tflops=1.0",  # MFU needs a device peak; CPU has none of its own
+                    f"train.metrics_port={port}",
+                    "train.profile_poll_steps=2",
+                )
+        except BaseException as e:  # the tests name it
+            done["error"] = e
+
+    def watch() -> None:  # Prometheus' part: scrape every node while the training runs
+        while thread.is_alive():
+            if (first := scrape(urls[0])) and first.get("liftoff_train_step"):
+                done["scrapes"].append(first)
+            if (second := scrape(urls[1])) and second.get("liftoff_train_step"):
+                done["node1"].append(second)
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not running_trainings(trainer.store) and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.2)
+        store = [f"store.root={trainer.store_cfg.root}", f"store.cache_dir={trainer.store_cfg.cache_dir}"]
+        done["profile_rc"] = main(["profile", "--steps", "3", "--timeout", "120", *store])
+    finally:
+        thread.join(timeout=300)
+        watcher.join(timeout=30)
+    done["after"] = [scrape(u) for u in urls]
+    done.update(trainer=trainer, urls=urls)
+    return done
+
+
+def _steps(scraped: dict) -> dict[str, float]:
+    return {rank: v for (rank, _), v in scraped["liftoff_train_step"].items()}
+
+
+def _value(scraped: dict, name: str, rank: str) -> float:
+    return next(v for (r, _), v in scraped[name].items() if r == rank)
+
+
+def test_each_node_serves_its_ranks_metrics_over_http_while_training(watched):
+    """Issue 25, acceptance 1: the step counter and the loss change between scrapes; each node's
+    endpoint serves its own rank, labelled with its node; the endpoints close with the run."""
+    assert "error" not in watched, watched.get("error")
+    scrapes, node1 = watched["scrapes"], watched["node1"]
+    assert len(scrapes) >= 2 and node1, "no metrics were served while training ran"
+    a, b = scrapes[0], scrapes[-1]
+    assert _steps(b)["0"] > _steps(a)["0"], "the step counter did not move between scrapes"
+    assert _value(b, "liftoff_train_loss", "0") != _value(a, "liftoff_train_loss", "0")
+    assert set(_steps(a)) == {"0"} and {r for n in node1 for r in _steps(n)} == {"1"}
+    nodes = {n for (_, n) in a["liftoff_train_step"]} | {n for (_, n) in node1[-1]["liftoff_train_step"]}
+    assert len(nodes) == 2 and all(n.endswith(("-node0", "-node1")) for n in nodes)
+    assert _value(b, "liftoff_train_tokens_per_second", "0") > 0
+    assert _value(b, "liftoff_train_peak_memory_bytes", "0") > 0
+    assert 0 < _value(b, "liftoff_train_mfu", "0") < 1
+    z = {rank: v for (rank, _), v in b["liftoff_straggler_zscore"].items()}
+    assert z["0"] > 5 > z["1"], z  # rank 0 sleeps in every forward (slow_rank): the straggler
+    assert watched["after"] == [None, None]  # nothing left listening
+
+    served = {name for s in [*scrapes, *node1] for name in s}
+    for name, names in monitoring_metric_names().items():
+        assert names, f"{name} names no liftoff metric"
+        assert names <= served, f"{name} names metrics the endpoint does not serve: {sorted(names - served)}"
+
+
+def monitoring_metric_names() -> dict[str, set[str]]:
+    """Every `liftoff_*` metric the dashboard's queries and the alert rules name."""
+    dashboard = json.loads((MONITORING / "dashboard.json").read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [json.dumps(v["query"]) for v in dashboard["templating"]["list"] if "query" in v]
+    rules = yaml.safe_load((MONITORING / "alerts.yaml").read_text())
+    exprs = [r["expr"] for g in rules["spec"]["groups"] for r in g["rules"]]
+    names = lambda texts: {m for t in texts for m in re.findall(r"\bliftoff_[a-z_]+", t)}  # noqa: E731
+    return {"dashboard.json": names(queries), "alerts.yaml": names(exprs)}
+
+
+def test_liftoff_profile_traces_every_rank_of_a_running_training_into_the_store(watched):
+    """Issue 25, acceptance 2: the profile artifact holds a Chrome trace per rank with aten ops,
+    its lineage names the dataset, and the training went on to its last step."""
+    assert "error" not in watched, watched.get("error")
+    assert watched["profile_rc"] == 0
+    trainer, result = watched["trainer"], watched["result"]
+    (manifest,) = trainer.store.ls("profile")
+    assert manifest.metadata["steps"] == 3 and manifest.metadata["world"] == 2
+    assert manifest.parents == [trainer.dataset]
+    assert manifest.metadata["identity"] == result.identity
+    folder = trainer.store.fetch(Ref.parse(str(manifest.ref)))  # every file checked against its sha256
+    for rank in (0, 1):
+        trace = json.loads(gzip.decompress((folder / f"rank{rank}.pt.trace.json.gz").read_bytes()))
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert any(n.startswith(("aten::mm", "aten::addmm")) for n in names), f"rank {rank}'s trace has no matmul"
+        summary = json.loads((folder / f"rank{rank}.summary.json").read_text())
+        assert summary["rank"] == rank and summary["self_s"] > 0
+    # the DDP all-reduces show as communication: a collective's time, not a formula's
+    assert json.loads((folder / "rank1.summary.json").read_text())["comm_s"] > 0
+    html = (folder / "summary.html").read_text()
+    assert "rank 0" in html and "rank 1" in html
+    assert result.result.steps == 30
