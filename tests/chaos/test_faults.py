@@ -234,3 +234,13 @@ def test_full_checkpoint_disk_fails_clearly_and_keeps_earlier_checkpoints(traine
         rec.happened(f"{message.splitlines()[0][:140]}...; {[c.name for c in kept]} verify")
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.chaos_slow
+def test_a_killed_rank_of_fsdp_fp8_compiled_training_resumes_to_identical_weights(dataset_store, tmp_path):
+    """Rank 1 SIGKILLs itself at step 15 under FSDP2 with fp8 all-gather, activation checkpointing
+    and compiled blocks; the relaunch resumes from step 10 to the weights of an uninterrupted run
+    (within 1e-6), and the trained model has every wrapper (tests/train/test_training.py)."""
+    from tests.train.test_training import FSDP_FP8_AC_COMPILE, killed_rank_resumes_to_identical_weights
+
+    killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, FSDP_FP8_AC_COMPILE)
