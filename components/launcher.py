@@ -132,18 +132,24 @@ def report_uncaught_exceptions(rank: str | None = None) -> None:
     """An exception that ends this replica's process is first logged as one `FAILURE_MARK`
     line (rank, time, type, message), then printed as usual. torch.distributed's own hook,
     installed later, calls this one: it chains."""
-    rank = rank if rank is not None else os.environ.get("RANK", "?")
     previous = sys.excepthook
 
     def hook(kind, value, tb):
         try:
-            record = {"rank": rank, "time": time.time(), "type": kind.__name__, "message": str(value)}
-            logging.getLogger("liftoff.failure").error("%s %s", FAILURE_MARK, json.dumps(record))
+            report_failure(kind.__name__, str(value), rank)
         except Exception:  # the traceback below matters more than this line
             pass
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+def report_failure(kind: str, message: str, rank: str | None = None) -> None:
+    """One `FAILURE_MARK` line for this replica's rank: the launcher ranks failures by its time,
+    so a process that ends itself (the watchdog) is named before the peers its exit fails."""
+    rank = rank if rank is not None else os.environ.get("RANK", "?")
+    record = {"rank": rank, "time": time.time(), "type": kind, "message": message}
+    logging.getLogger("liftoff.failure").error("%s %s", FAILURE_MARK, json.dumps(record))
 
 
 def threads_per_process(cluster: ClusterConfig) -> int:

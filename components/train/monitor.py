@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from components.devices import peak_tflops
+from components.launcher import report_failure
 from components.plots import read_timeline
 from components.robust import leave_one_out_z
 
@@ -306,12 +307,12 @@ class Watchdog(threading.Thread):
         while not self._stopped.wait(min(1.0, self.timeout_s / 4)):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
-                print(
-                    f"watchdog: no training progress for {idle:.0f}s (train.watchdog_timeout_s="
-                    f"{self.timeout_s}); stacks of all threads follow",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                said = f"no training progress for {idle:.0f}s (train.watchdog_timeout_s={self.timeout_s})"
+                try:  # first, with its time: the peers this exit fails report after it
+                    report_failure("WatchdogTimeout", said)
+                except Exception:  # the stacks below matter more than this line
+                    pass
+                print(f"watchdog: {said}; stacks of all threads follow", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
                 os._exit(WATCHDOG_EXIT_CODE)

@@ -196,6 +196,8 @@ def test_slow_rank_is_reported_and_hang_trips_the_watchdog(trainer, capfd):
         trainer.run(*TWO_NODES, "train.steps=30", "train.straggler_interval=4", "train.watchdog_timeout_s=8")
     assert time.monotonic() - start < 120
     message = str(err.value)
+    # the rank whose watchdog fired is the first failure (not a peer its exit disconnected)
+    assert "WatchdogTimeout: no training progress" in message.split("failed after it")[0], message
     assert "Thread 0x" in message and "most recent call first" in message  # the stacks, in the error
     assert "watchdog: no training progress" in capfd.readouterr().out
     node0 = next((trainer.tmp / "runs").iterdir()) / "nodes" / "0"  # the run never handed anything back
