@@ -73,7 +73,9 @@ class Exporter:
         self._spikes.labels(**self.labels)  # served as 0 from the start, not only after a spike
         self.server = None
 
-    def serve(self, port: int, addr: str) -> str:
+    def serve(self, port: int, addr: str) -> str | None:
+        """The URL served, or None where the port cannot be bound (taken on a shared host):
+        observability never stops a training, it says so once and the run goes on unscraped."""
         from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
         registry = CollectorRegistry()
@@ -81,7 +83,8 @@ class Exporter:
         try:
             self.server, _ = start_http_server(port, addr=addr, registry=registry)
         except OSError as e:
-            raise RuntimeError(f"train.metrics_port={port}: cannot serve metrics on {addr}:{port}: {e}") from e
+            log.warning("train.metrics_port=%d: cannot serve metrics on %s (%s); training goes on", port, addr, e)
+            return None
         return f"http://{addr}:{port}/metrics"
 
     def step(self, record: dict) -> None:
@@ -114,5 +117,6 @@ def exporter_for(port: int, run: str, rank: int, node: str, launch: str, shares_
     exporter = Exporter(run, rank, node, directory)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         url = exporter.serve(node_port(port, group_rank, shares_host), "127.0.0.1" if shares_host else "0.0.0.0")
-        log.info("Prometheus metrics of node %s on %s", node, url)
+        if url:
+            log.info("Prometheus metrics of node %s on %s", node, url)
     return exporter

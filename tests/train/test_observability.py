@@ -171,3 +171,38 @@ def test_liftoff_profile_traces_every_rank_of_a_running_training_into_the_store(
     html = (folder / "summary.html").read_text()
     assert "rank 0" in html and "rank 1" in html
     assert result.result.steps == 30
+
+
+TAKEN_PORT = """
+import socket, sys, urllib.request
+from pathlib import Path
+from components.train.prometheus import Exporter
+taken = socket.socket(); taken.bind(("127.0.0.1", 0)); taken.listen()
+port = taken.getsockname()[1]
+first = Exporter("run", 0, "node0", Path(sys.argv[1]) / "a")
+assert first.serve(port, "127.0.0.1") is None  # taken: the rank goes on, unserved
+first.step({"step": 7, "loss": 1.5})
+free = socket.socket(); free.bind(("127.0.0.1", 0)); other = free.getsockname()[1]; free.close()
+url = first.serve(other, "127.0.0.1")
+print(urllib.request.urlopen(url, timeout=10).read().decode())
+first.close()
+"""
+
+
+def test_a_metrics_port_that_is_taken_leaves_the_rank_training_and_recording(tmp_path):
+    """A port another process holds never ends the training process: it records on, unserved;
+    what it recorded is served once a port is free (here a second serve, in a fresh process)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", TAKEN_PORT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    served = {s.name: s.value for f in text_string_to_metric_families(out.stdout) for s in f.samples}
+    assert served["liftoff_train_step"] == 7 and served["liftoff_train_loss"] == 1.5
+
+
+def test_the_quickstart_is_the_readmes_first_section():
+    sections = re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), flags=re.M)
+    assert sections and sections[0].lower().startswith("quickstart"), sections[:3]
