@@ -135,10 +135,7 @@ def report_uncaught_exceptions(rank: str | None = None) -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        try:
-            report_failure(kind.__name__, str(value), rank)
-        except Exception:  # the traceback below matters more than this line
-            pass
+        report_failure(kind.__name__, str(value), rank)
         previous(kind, value, tb)
 
     sys.excepthook = hook
@@ -146,10 +143,14 @@ def report_uncaught_exceptions(rank: str | None = None) -> None:
 
 def report_failure(kind: str, message: str, rank: str | None = None) -> None:
     """One `FAILURE_MARK` line for this replica's rank: the launcher ranks failures by its time,
-    so a process that ends itself (the watchdog) is named before the peers its exit fails."""
-    rank = rank if rank is not None else os.environ.get("RANK", "?")
-    record = {"rank": rank, "time": time.time(), "type": kind, "message": message}
-    logging.getLogger("liftoff.failure").error("%s %s", FAILURE_MARK, json.dumps(record))
+    so a process that ends itself (the watchdog) is named before the peers its exit fails.
+    Never raises: what the caller prints next (a traceback, the stacks) matters more."""
+    try:
+        rank = rank if rank is not None else os.environ.get("RANK", "?")
+        record = {"rank": rank, "time": time.time(), "type": kind, "message": message}
+        logging.getLogger("liftoff.failure").error("%s %s", FAILURE_MARK, json.dumps(record))
+    except Exception:
+        pass
 
 
 def threads_per_process(cluster: ClusterConfig) -> int:
@@ -532,7 +533,6 @@ def _one_line(text: str) -> str:
 
 # what the Kubernetes API puts before each line of a pod's log (TorchX asks for timestamps)
 _POD_LOG_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d) ")
-_WATCHDOG = re.compile(r"watchdog: no training progress for \d+s \([^)]*\)")  # components/train/monitor.py
 _ROOT_CAUSE_FIELD = re.compile(r"^\s{2}(time|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
 
 
@@ -575,9 +575,8 @@ def torchrun_root_causes(replica: int, lines: list[str]) -> list[Failure]:
         elif signal_name:
             cause = f"killed by {signal_name.group(1)} (exit code {code})"
             order = when - 1.0 if signal_name.group(1) in _OWN_DEATH else when + 1.0
-        else:  # an exit without an exception: the replica's last word on why, if it said one
-            said = next((m for ln in reversed(lines[:i]) if (m := _WATCHDOG.search(ln))), None)
-            cause, order = f"exit code {code}" + (f": {said.group(0)}" if said else ""), when + 1.0
+        else:  # an exit without an exception (a watchdog's names itself in its own FAILURE_MARK line)
+            cause, order = f"exit code {code}", when + 1.0
         found.append(Failure(replica, rank, when, cause, exact=False, order=order))
     return found
 

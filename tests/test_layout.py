@@ -238,3 +238,8 @@ def test_the_project_refers_to_nothing_outside_its_clone():
     outside = [str(p.relative_to(ROOT)) for p in text_files if "../shared" in p.read_text()]
     assert outside == [], f"refer outside the clone: {outside}"
     assert (ROOT / "docs" / "design.md").is_file() and "docs/design.md" in (ROOT / "README.md").read_text()
+
+
+def test_the_quickstart_is_the_readmes_first_section():
+    sections = re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), flags=re.M)
+    assert sections and sections[0].lower().startswith("quickstart"), sections[:3]

@@ -308,10 +308,7 @@ class Watchdog(threading.Thread):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
                 said = f"no training progress for {idle:.0f}s (train.watchdog_timeout_s={self.timeout_s})"
-                try:  # first, with its time: the peers this exit fails report after it
-                    report_failure("WatchdogTimeout", said)
-                except Exception:  # the stacks below matter more than this line
-                    pass
+                report_failure("WatchdogTimeout", said)  # first, with its time: the peers it fails come after
                 print(f"watchdog: {said}; stacks of all threads follow", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()

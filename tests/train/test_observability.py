@@ -201,8 +201,3 @@ def test_a_metrics_port_that_is_taken_leaves_the_rank_training_and_recording(tmp
     assert out.returncode == 0, out.stderr
     served = {s.name: s.value for f in text_string_to_metric_families(out.stdout) for s in f.samples}
     assert served["liftoff_train_step"] == 7 and served["liftoff_train_loss"] == 1.5
-
-
-def test_the_quickstart_is_the_readmes_first_section():
-    sections = re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), flags=re.M)
-    assert sections and sections[0].lower().startswith("quickstart"), sections[:3]
