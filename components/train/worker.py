@@ -31,6 +31,7 @@ from components import checkpoint_format
 from components.config import ModelConfig, TrainConfig, as_plain_dict, drop_none
 from components.distributed import init_distributed
 from components.launcher import PLUGIN_ENV, worker_spec
+from components.model_math import flops_per_token
 from components.precision import Recipe, recipe
 from components.precision.fp8 import float8_cast_configs, float8_modules
 from components.store import ArtifactStore, Ref, open_store, sha256_file
@@ -39,7 +40,7 @@ from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.data import BlockSampler
 from components.train.export import export_hf
-from components.train.model import build_model, count_params, flops_per_token
+from components.train.model import build_model, count_params
 from components.train.monitor import DeviceTimer, Monitor, StepLine, Watchdog, device_peak_tflops, peak_memory_bytes
 from components.train.nonfinite import clean_name, first_nonfinite_module
 from components.train.optim import build_optimizer, clip_and_step, lr_at, set_lr
