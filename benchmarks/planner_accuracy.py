@@ -63,8 +63,8 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
 
 
 def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> float:
-    from components.precision import recipe
     from components.model_math import param_tensors
+    from components.precision import recipe
     from components.preflight.plan import activation_bytes, weight_copies
 
     tensors, layers = param_tensors(model_cfg), model_cfg.num_layers

@@ -339,18 +339,15 @@ def val_loss(job: Job) -> tuple[float, int] | None:
     """(mean token loss, blocks) of the model as it trains on the first VAL_BLOCKS val blocks, in
     micro batches: the same blocks every time, so the curve compares like with like. Every rank
     runs it (a collective under FSDP), without gradients; compiled blocks run eagerly."""
-    import numpy as np
+    from components.blocks import batches
 
-    val = job.val
-    n = min(VAL_BLOCKS, len(val))
+    n = min(VAL_BLOCKS, len(job.val))
     if n == 0:
         return None
-    total, size = 0.0, job.train.micro_batch_size
+    total = 0.0
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        for start in range(0, n, size):
-            rows = range(start, min(n, start + size))
-            batch = torch.from_numpy(np.stack([val[i] for i in rows]).astype(np.int64)).to(job.device)
-            total += float(micro_loss(job, batch)) * len(rows)  # blocks are of one length: a token mean
+        for batch in batches(job.val, n, job.train.micro_batch_size):
+            total += float(micro_loss(job, batch.to(job.device))) * len(batch)  # blocks of one length: a token mean
     return total / n, n
 
 
