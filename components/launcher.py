@@ -532,7 +532,6 @@ def _one_line(text: str) -> str:
 
 # what the Kubernetes API puts before each line of a pod's log (TorchX asks for timestamps)
 _POD_LOG_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d) ")
-_WATCHDOG = re.compile(r"watchdog: no training progress for \d+s \([^)]*\)")  # components/train/monitor.py
 _ROOT_CAUSE_FIELD = re.compile(r"^\s{2}(time|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
 
 
@@ -575,9 +574,8 @@ def torchrun_root_causes(replica: int, lines: list[str]) -> list[Failure]:
         elif signal_name:
             cause = f"killed by {signal_name.group(1)} (exit code {code})"
             order = when - 1.0 if signal_name.group(1) in _OWN_DEATH else when + 1.0
-        else:  # an exit without an exception: the replica's last word on why, if it said one
-            said = next((m for ln in reversed(lines[:i]) if (m := _WATCHDOG.search(ln))), None)
-            cause, order = f"exit code {code}" + (f": {said.group(0)}" if said else ""), when + 1.0
+        else:  # an exit without an exception (a watchdog's reports its own FAILURE_MARK line, exact)
+            cause, order = f"exit code {code}", when + 1.0
         found.append(Failure(replica, rank, when, cause, exact=False, order=order))
     return found
 
