@@ -20,7 +20,8 @@ from components.config import compose_choices, group_dicts
 from components.local_pod import TASK_ROOT_ENV
 from components.store import Ref, open_store
 from pipelines.interrupt import stopped_by_signals
-from pipelines.progress import Console, StageLines, display_path, keep_outputs, plain, watch_stages
+from pipelines.progress import Console, display_path, plain, watch_stages
+from pipelines.summary import StageLines, keep_outputs
 
 LOCAL_ROOT = Path("local_outputs")
 LOG_NAME = "run.log"  # in the run's folder: everything the run's processes printed
