@@ -93,10 +93,11 @@ def run_case(model_name: str, precision: str, recipe_name: str, ac_every: int, m
     import torch.nn.functional as F
 
     from components.devices import peak_tflops
+    from components.model_math import flops_per_token
     from components.precision import recipe
     from components.preflight.plan import plan
     from components.train.activation_checkpoint import apply_activation_checkpointing
-    from components.train.model import build_model, count_params, flops_per_token
+    from components.train.model import build_model, count_params
     from components.train.optim import build_optimizer, clip_and_step
     from components.train.parallel import apply_compile
 

@@ -18,7 +18,6 @@ would otherwise count that stage's work as overhead).
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import tempfile
@@ -26,8 +25,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import CORPUS, report
+from components.task import STAGE_LINE
 
-STAGE_LINE = re.compile(r"liftoff-stage ([\w-]+) compute_s=([\d.]+)")
 SEQUENTIAL = ("tokenize-plan", "tokenize-merge", "preflight", "train", "validate", "evaluate")
 PARALLEL = "tokenize-shard"  # one task per source partition, `data.parallelism` at a time
 

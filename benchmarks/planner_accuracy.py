@@ -63,8 +63,9 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
 
 
 def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> float:
+    from components.model_math import param_tensors
     from components.precision import recipe
-    from components.preflight.plan import activation_bytes, param_tensors, weight_copies
+    from components.preflight.plan import activation_bytes, weight_copies
 
     tensors, layers = param_tensors(model_cfg), model_cfg.num_layers
     copies = weight_copies(tensors, layers, recipe(train.precision), train, sharded=False, recompute=False)

@@ -85,3 +85,19 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(Path(path) / "tokenizer"))
+
+
+def first_blocks(blocks, n_blocks: int) -> int:
+    """How many blocks `n_blocks` reads: 0 means all of them."""
+    return len(blocks) if n_blocks == 0 else min(n_blocks, len(blocks))
+
+
+def batches(blocks, n_blocks: int, batch_size: int):
+    """The first `n_blocks` blocks (0: all) as int64 tensors of up to `batch_size` rows, in
+    order: the one loop validate, evaluate and training's val loss read val blocks through."""
+    import torch
+
+    n = first_blocks(blocks, n_blocks)
+    for start in range(0, n, batch_size):
+        rows = range(start, min(n, start + batch_size))
+        yield torch.from_numpy(np.stack([blocks[i] for i in rows]).astype(np.int64))

@@ -197,7 +197,7 @@ def cmd_run(args: list[str]) -> int:
     """The whole DAG locally through kfp.local: a status line per stage, then where everything
     is; `-v` streams every process's log as well; `-m` sweeps and ends with a table."""
     from pipelines.local import display_path, expand_sweep, multirun_folder, new_run_folder, run_local
-    from pipelines.progress import summary_lines
+    from pipelines.summary import summary_lines
     from pipelines.sweep import model_ref, model_refs, run_sweep, sweep_table, sweeper_of, without_hydra
 
     verbose = "-v" in args or "--verbose" in args

@@ -11,15 +11,17 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from components.config import CONF_DIR, group_dicts
+from components.config import compose_choices, group_dicts
 from components.local_pod import TASK_ROOT_ENV
 from components.store import Ref, open_store
 from pipelines.interrupt import stopped_by_signals
-from pipelines.progress import Console, StageLines, display_path, keep_outputs, plain, watch_stages
+from pipelines.progress import Console, display_path, plain, watch_stages
+from pipelines.summary import StageLines, keep_outputs
 
 LOCAL_ROOT = Path("local_outputs")
 LOG_NAME = "run.log"  # in the run's folder: everything the run's processes printed
@@ -133,13 +135,18 @@ def task_directories(parent: Path):
         shutil.rmtree(run_tasks, ignore_errors=True)
 
 
-def new_run_folder(cfg: DictConfig, overrides: list[str], folder: Path | None = None) -> Path:
+def new_run_folder(
+    cfg: DictConfig, overrides: list[str], folder: Path | None = None, choices: Mapping[str, str | None] | None = None
+) -> Path:
     """A run's folder, as Hydra names one: `<train.run_dir>/<experiment>/<date>_<time>_<short
     overrides>/` (a sweep job's is given: `multirun/<date>/<time>/<job>/`), holding the composed
-    config and the overrides in `.hydra/`."""
+    config and the overrides in `.hydra/`. `choices`: Hydra's, from `compose_choices(overrides)`
+    (composed here when not given and the folder is to be named)."""
     if folder is None:
+        if choices is None:
+            _, choices = compose_choices(overrides)
         name = time.strftime("%Y-%m-%d_%H-%M-%S") + (f"_{short_overrides(overrides)}" if overrides else "")
-        folder = Path(cfg.train.run_dir) / experiment_of(overrides) / name
+        folder = Path(cfg.train.run_dir) / str(choices.get("experiment") or "default") / name
         for n in itertools.count(1):
             if not folder.exists():
                 break
@@ -153,18 +160,6 @@ def new_run_folder(cfg: DictConfig, overrides: list[str], folder: Path | None = 
 def multirun_folder() -> Path:
     """A sweep's folder, as Hydra's: `multirun/<date>/<time>/`; its jobs are `0/`, `1/`, ..."""
     return Path("multirun") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
-
-
-def experiment_of(overrides: list[str]) -> str:
-    """The `experiment` option the composed config used (Hydra's runtime choices)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        composed = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-    return str(composed.hydra.runtime.choices.get("experiment") or "default")
 
 
 def short_overrides(overrides: list[str], limit: int = 48) -> str:

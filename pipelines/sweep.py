@@ -326,7 +326,7 @@ def run_sweep(overrides: list[str], verbose: bool) -> int:
     """A sweep Hydra's sweeper plugin drives (Optuna): each trial a whole local run, its objective
     read from its eval artifact; sweep.md and sweep.html in the sweep's folder."""
     from pipelines.local import display_path, multirun_folder, new_run_folder, run_local
-    from pipelines.progress import summary_lines
+    from pipelines.summary import summary_lines
 
     sweep = multirun_folder()
 

@@ -13,16 +13,18 @@ import pytest
 from benchmarks import train_overhead
 from benchmarks.pipeline_overhead import PARALLEL, SEQUENTIAL, STAGE_LINE, stage_work
 from components.config import compose
+from components.task import compute_line
 from tests.conftest import CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def printed_stage_names() -> list[str]:
-    """The names in every component's `liftoff-stage NAME compute_s=` print, as the source spells them."""
+    """The names every component opens its `stage_task` with (the name its compute line prints), as
+    the source spells them."""
     names = []
     for path in sorted((ROOT / "components").glob("*/component.py")):
-        names += re.findall(r'print\(f"liftoff-stage ([^ ]+) compute_s=', path.read_text())
+        names += re.findall(r'with stage_task\("([^"]+)"', path.read_text())
     return names
 
 
@@ -30,7 +32,7 @@ def test_the_benchmark_expects_exactly_the_stages_the_components_report():
     names = printed_stage_names()
     assert sorted(set(names)) == sorted({*SEQUENTIAL, PARALLEL}), names
     for name in names:  # the line as printed (indented under `liftoff run -v`) matches, whole name and number
-        assert STAGE_LINE.findall(f"    [task] liftoff-stage {name} compute_s=12.345\n") == [(name, "12.345")]
+        assert STAGE_LINE.findall(f"    [task] {compute_line(name, 12.345)}\n") == [(name, "12.345")]
 
 
 def run_output(shards: list[float]) -> str:

@@ -227,8 +227,8 @@ def test_a_key_missing_from_conf_fails_at_compose(tmp_path):
 
 
 def test_each_group_judges_its_own_keys():
-    """The rules live with their group: a group checks alone, and the cross-group rules run
-    only when the other group is given."""
+    """Each group checks alone (its `check()`, its rules in GROUP_RULES), and the cross-group
+    rules run only when the other group is given."""
     from components.config import defaults
 
     assert defaults("train", warmup_steps=5, steps=3).check() == [
@@ -336,3 +336,36 @@ def test_every_option_in_conf_composes():
             compose([f"{group}={option}", *([pins[group]] if group in pins else [])])
     for model in config_groups()["model"]:
         compose([f"model={model}", "cluster=kubernetes", "store=minio", "~experiment"])
+
+
+def test_one_composition_gives_the_config_and_hydras_choices():
+    """compose_choices: the config compose() gives and the option each group took, a preset's
+    own choices included; a removed group has none."""
+    from omegaconf import OmegaConf
+
+    from components.config import compose_choices
+
+    cfg, choices = compose_choices(["experiment=h200-7b", "train.steps=5000"])
+    assert OmegaConf.to_yaml(cfg) == OmegaConf.to_yaml(compose(["experiment=h200-7b", "train.steps=5000"]))
+    assert "hydra" not in cfg and cfg.train.steps == 5000
+    assert choices["experiment"] == "h200-7b" and choices["model"] == "7b" and choices["cluster"] == "kubernetes"
+    assert choices["hydra/sweeper"] == "basic"
+    _, choices = compose_choices(["~experiment", "model=1b"])
+    assert "experiment" not in choices and choices["model"] == "1b"
+    with pytest.raises(ConfigError, match="did you mean train.lr"):
+        compose_choices(["train.lrr=1"])
+
+
+def test_a_run_folder_is_named_after_the_experiment_hydra_chose(tmp_path, monkeypatch):
+    """Given the choices, new_run_folder composes nothing; without them, it composes once."""
+    import pipelines.local as local
+    from components.config import compose_choices
+
+    cfg, choices = compose_choices([f"train.run_dir={tmp_path}"])
+    monkeypatch.setattr(local, "compose_choices", lambda overrides: pytest.fail("composed again"))
+    folder = local.new_run_folder(cfg, ["train.steps=5"], choices={**choices, "experiment": "h200-7b"})
+    assert folder.parent == tmp_path / "h200-7b" and folder.name.endswith("_steps=5")
+    assert (folder / ".hydra" / "config.yaml").is_file()
+    monkeypatch.setattr(local, "compose_choices", compose_choices)
+    assert local.new_run_folder(cfg, ["~experiment"]).parent == tmp_path / "default"
+    assert local.new_run_folder(cfg, []).parent == tmp_path / "tiny"

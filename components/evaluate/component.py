@@ -12,23 +12,14 @@ def evaluate(
 ) -> str:
     """Returns the evaluation's reference in the store."""
     import json
-    import logging
-    import time
     from pathlib import Path
 
-    from components.config import checked_groups
     from components.evaluate.stage import run_evaluate
-    from components.store import open_store
+    from components.task import stage_task
 
-    started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from components.local_pod import enter_task_directory
-
-    enter_task_directory("evaluate")  # under `liftoff run`: a directory of its own, as its pod would have
-    groups = checked_groups(eval=eval, store=store)  # a UI-edited group is checked like the CLI's
     model_ref = json.loads(Path(validated_model.path).read_text())["ref"]
-    result = run_evaluate(model_ref, groups["eval"], open_store(groups["store"]))
-    print(f"liftoff-stage evaluate compute_s={time.perf_counter() - started:.3f}", flush=True)
+    with stage_task("evaluate", eval=eval, store=store) as task:
+        result = run_evaluate(model_ref, task.groups["eval"], task.store)
     for name, value in result.metrics.items():
         metrics.log_metric(name, float(value))
     Path(report.path).write_text(result.html)  # the UI's copy; kfp.local names it `report`, no extension

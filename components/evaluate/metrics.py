@@ -8,6 +8,8 @@ import time
 import numpy as np
 import torch
 
+from components.blocks import batches, first_blocks
+
 
 def token_byte_lengths(tokenizer, vocab_size: int) -> np.ndarray:
     """UTF-8 bytes each token stands for (special tokens: 0), for bits per byte.
@@ -27,21 +29,13 @@ def token_byte_lengths(tokenizer, vocab_size: int) -> np.ndarray:
     return lengths
 
 
-def val_blocks(blocks, n_blocks: int) -> int:
-    return len(blocks) if n_blocks == 0 else min(n_blocks, len(blocks))
-
-
 @torch.no_grad()
 def perplexity(model, blocks, n_blocks: int, batch_size: int, byte_lengths: np.ndarray) -> dict[str, float]:
     """Mean loss, perplexity, bits per byte and inference tokens/s over the val blocks."""
-    n = val_blocks(blocks, n_blocks)
     nats = 0.0
     tokens = nbytes = 0
     elapsed = 0.0
-    for start in range(0, n, batch_size):
-        batch = torch.from_numpy(
-            np.stack([blocks[i] for i in range(start, min(n, start + batch_size))]).astype(np.int64)
-        )
+    for batch in batches(blocks, n_blocks, batch_size):
         t0 = time.perf_counter()
         logits = model(input_ids=batch[:, :-1]).logits.float()
         elapsed += time.perf_counter() - t0
@@ -67,7 +61,7 @@ def unigram_perplexity(train_blocks, val, n_blocks: int, vocab_size: int, max_tr
     for i in range(min(len(train_blocks), max_train_blocks)):
         counts += np.bincount(train_blocks[i][1:], minlength=vocab_size)[:vocab_size]
     logp = np.log(counts / counts.sum())
-    n = val_blocks(val, n_blocks)
+    n = first_blocks(val, n_blocks)
     targets = np.concatenate([val[i][1:] for i in range(n)]).astype(np.int64)
     return float(math.exp(-logp[targets].mean()))
 

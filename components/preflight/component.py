@@ -21,31 +21,15 @@ def preflight(
     """Fails the run when too few nodes are healthy or the plan does not fit; else writes the
     verdict (healthy and excluded nodes) that train takes as its input."""
     import json
-    import logging
-    import time
     from pathlib import Path
 
-    from components.config import checked_groups
     from components.preflight.stage import gate, report_markdown, run_preflight
-    from components.store import open_store
+    from components.task import stage_task
 
-    started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from components.local_pod import enter_task_directory
-
-    enter_task_directory("preflight")  # under `liftoff run`: a directory of its own, as its pod would have
-    g = checked_groups(model=model, train=train, preflight=preflight, cluster=cluster, store=store)  # as the CLI
-    cfg, store_cfg = g["preflight"], g["store"]
-    result = run_preflight(
-        json.loads(Path(dataset.path).read_text())["ref"],
-        g["model"],
-        g["train"],
-        g["cluster"],
-        cfg,
-        store_cfg,
-        open_store(store_cfg),
-    )
-    print(f"liftoff-stage preflight compute_s={time.perf_counter() - started:.3f}", flush=True)
+    with stage_task("preflight", model=model, train=train, preflight=preflight, cluster=cluster, store=store) as t:
+        g, cfg = t.groups, t.groups["preflight"]
+        ref = json.loads(Path(dataset.path).read_text())["ref"]
+        result = run_preflight(ref, g["model"], g["train"], g["cluster"], cfg, g["store"], t.store)
     for node in result.nodes:
         for key, value in node.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "rank":

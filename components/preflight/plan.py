@@ -49,34 +49,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from components.config import ModelConfig, Parallelism, TrainConfig
-from components.precision import Recipe, fp8_eligible_dims, recipe
+from components.model_math import host_memory_bytes, mfu, param_tensors, planned_flops_per_token
+from components.precision import Recipe, recipe
 
 GB = 1e9
-
-
-def param_tensors(model: ModelConfig) -> list[tuple[str, int, bool]]:
-    """(name, numel, is an fp8-eligible Linear weight) for every parameter tensor."""
-    h, v = model.hidden_size, model.vocab_size or 0
-    head_dim = h // model.num_heads
-    kv = model.num_kv_heads * head_dim
-    eligible = fp8_eligible_dims
-    out = [("embed", v * h, False)]
-    for _ in range(model.num_layers):
-        for i, o in [
-            (h, h),
-            (h, kv),
-            (h, kv),
-            (h, h),
-            (h, model.ffn_hidden_size),
-            (h, model.ffn_hidden_size),
-            (model.ffn_hidden_size, h),
-        ]:
-            out.append(("linear", i * o, eligible(i, o)))
-        out += [("block_norm", h, False), ("block_norm", h, False)]
-    out.append(("norm", h, False))
-    if not model.tie_embeddings:
-        out.append(("lm_head", v * h, False))
-    return out
 
 
 @dataclass
@@ -195,11 +171,10 @@ def plan(
         total = weights + grads + optimizer + copies + acts
     h, a, s, b, L = model.hidden_size, model.num_heads, seq_len, train.micro_batch_size, model.num_layers
     head_dim = h // a
-    n_no_embed = n - (model.vocab_size or 0) * h
-    fpt = 6 * n_no_embed + 12 * L * a * head_dim * s
+    fpt = planned_flops_per_token(model, s)
     n_blocks = sum(k for kind, k, _ in tensors if kind in ("linear", "block_norm"))
     recompute = checkpointed_blocks(model, train) / L * (2 * n_blocks + 4 * L * a * head_dim * s)
-    step = compute = comm = tps = mfu = None
+    step = compute = comm = tps = utilization = None
     if tflops:
         tokens_per_device = b * train.grad_accum_steps * s
         compute = (fpt + recompute) * tokens_per_device / (tflops * 1e12)
@@ -208,7 +183,7 @@ def plan(
             comm = comm_bytes(tensors, precision, train) * (world - 1) / world / (busbw_gbps * GB)
         step = compute + comm
         tps = tokens_per_device * world / step
-        mfu = fpt * tps / ((peak_tflops or tflops) * 1e12 * world)
+        utilization = mfu(tps, fpt, peak_tflops or tflops, world)
     return Plan(
         params=n,
         param_tensors=len(tensors),
@@ -223,7 +198,7 @@ def plan(
         recompute_flops_per_token=recompute,
         step_time_s=step,
         tokens_per_s=tps,
-        mfu=mfu,
+        mfu=utilization,
         compute_s=compute,
         comm_s=comm,
     )
@@ -263,9 +238,8 @@ def fits(p: Plan, device_memory_gb: float, safety: float) -> bool:
 
 def host_memory_gb() -> float:
     """This machine's RAM: a CPU "device"'s memory."""
-    import os
 
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return host_memory_bytes() / 1e9
 
 
 @dataclass

@@ -21,36 +21,25 @@ def train(
 ) -> str:
     """Launch training with TorchX; returns the model reference `model/NAME@IDENTITY`."""
     import json
-    import logging
-    import time
     from pathlib import Path
 
-    from components.config import checked_groups
-    from components.store import open_store
+    from components.task import stage_task
     from components.train.report import curves_html, final_metrics
     from components.train.stage import require_passing_verdict, run_train
 
-    started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from components.local_pod import enter_task_directory
-
-    enter_task_directory("train")  # under `liftoff run`: a directory of its own, as its pod would have
     verdict = require_passing_verdict(json.loads(Path(preflight_verdict.path).read_text()))
-    g = checked_groups(
-        data=data, model=model, train=train, cluster=cluster, store=store
-    )  # UI edits checked like the CLI's
-    store_cfg = g["store"]
-    result = run_train(
-        json.loads(Path(dataset.path).read_text())["ref"],
-        g["model"],
-        g["train"],
-        g["cluster"],
-        store_cfg,
-        open_store(store_cfg),
-        exclude_nodes=verdict.get("excluded_hosts", []),
-        cache_gb=g["data"].cache_gb,
-    )
-    print(f"liftoff-stage train compute_s={time.perf_counter() - started:.3f}", flush=True)
+    with stage_task("train", data=data, model=model, train=train, cluster=cluster, store=store) as task:
+        g = task.groups
+        result = run_train(
+            json.loads(Path(dataset.path).read_text())["ref"],
+            g["model"],
+            g["train"],
+            g["cluster"],
+            g["store"],
+            task.store,
+            exclude_nodes=verdict.get("excluded_hosts", []),
+            cache_gb=g["data"].cache_gb,
+        )
     ref = str(result.model.ref)
     Path(trained_model.path).write_text(json.dumps({"ref": ref, **result.result.to_json()}, indent=2))
     trained_model.metadata.update(

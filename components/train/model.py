@@ -42,11 +42,3 @@ def count_params(model: torch.nn.Module, exclude_embeddings: bool = False) -> in
     if exclude_embeddings:
         n -= model.get_input_embeddings().weight.numel()
     return n
-
-
-def flops_per_token(cfg: ModelConfig, n_params_no_embed: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus
-    12·L·H·Q·T for attention scores and values (L layers, H heads, Q head dim, T seq len),
-    as in PaLM's MFU definition."""
-    head_dim = cfg.hidden_size // cfg.num_heads
-    return 6 * n_params_no_embed + 12 * cfg.num_layers * cfg.num_heads * head_dim * seq_len

@@ -21,18 +21,12 @@ import torch.distributed as dist
 
 from components.devices import peak_tflops
 from components.launcher import report_failure
+from components.model_math import host_memory_bytes, mfu
 from components.plots import read_timeline
 from components.robust import leave_one_out_z
 
 log = logging.getLogger(__name__)
 WATCHDOG_EXIT_CODE = 75
-
-
-def mfu(tokens_per_second: float, flops_per_token: float, peak_tflops: float | None, devices: int) -> float | None:
-    """Model FLOPs utilization: achieved training FLOP/s over the peak of all devices."""
-    if not peak_tflops:
-        return None
-    return tokens_per_second * flops_per_token / (peak_tflops * 1e12 * devices)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -46,7 +40,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_memory_bytes()
 
 
 def device_peak_tflops(device: torch.device) -> float | None:

@@ -55,14 +55,10 @@ def load_checkpoint_weights(ckpt_dir: Path, hf_model) -> dict[str, torch.Tensor]
 @torch.no_grad()
 def mean_loss(model, blocks, n_blocks: int, batch_size: int) -> tuple[float, bool]:
     """Mean next-token loss over the first n_blocks val blocks; and whether all logits were finite."""
-    import numpy as np
+    from components.blocks import batches
 
     total, count, finite = 0.0, 0, True
-    n = len(blocks) if n_blocks == 0 else min(n_blocks, len(blocks))
-    for start in range(0, n, batch_size):
-        batch = torch.from_numpy(
-            np.stack([blocks[i] for i in range(start, min(n, start + batch_size))]).astype(np.int64)
-        )
+    for batch in batches(blocks, n_blocks, batch_size):
         logits = model(input_ids=batch[:, :-1]).logits.float()
         finite &= bool(torch.isfinite(logits).all())
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from components.config import defaults
+from components.model_math import flops_per_token, mfu
 from components.robust import leave_one_out_z
 from components.train.data import BlockSampler, DataFitError
-from components.train.model import flops_per_token
-from components.train.monitor import mfu
 from components.train.nonfinite import first_nonfinite_module
 from components.train.optim import clip_and_step, lr_at
 

@@ -1,0 +1,216 @@
+"""What values can work: each group's rules between its keys, the rules that read a second
+group, and `BOUNDS`, the range of every numeric key in one table. `check_config` runs them all.
+
+Types are the schema's (checked by OmegaConf when Hydra composes); a rule judges values that
+are typed right, and its message names the key it judges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from components.config.bounds import out_of_bounds
+
+if TYPE_CHECKING:
+    from components.config.schema import (
+        ClusterConfig,
+        Config,
+        DataConfig,
+        EvalConfig,
+        KfpConfig,
+        ModelConfig,
+        PreflightConfig,
+        StoreConfig,
+        TokenizerConfig,
+        TrainConfig,
+        VolumeConfig,
+    )
+
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+VOLUME_KINDS = ("emptyDir", "hostPath", "pvc")
+RESERVED_ENV = (
+    *("MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ENDPOINT", "NODE_NAME", "OMP_NUM_THREADS"),
+    *("LOGLEVEL", "PYTHONWARNINGS", "PYTHONPATH", "PATH"),
+)
+# what preflight measures per node that a floor may hold (the leave-one-out z-score too);
+# `gemm_tflops_<dtype>`, `allreduce_busbw_gbps_<size>mb` or `allreduce_busbw_gbps` (its largest size)
+PERF_METRICS = ("gemm_tflops_", "membw_gbps", "allreduce_busbw_gbps", "storage_read_mbps", "storage_roundtrip_mbps")
+# what the evaluate stage records in its artifact's metrics (components/evaluate/stage.py)
+EVAL_METRICS = ("val_loss", "val_perplexity", "val_bits_per_byte", "unigram_perplexity", "perplexity_vs_unigram",
+                "inference_tokens_per_s", "val_tokens")  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A config value that is well-typed but cannot work; the message names the key."""
+
+
+def failed(rules: list[tuple[str, bool, str]]) -> list[str]:
+    """`key: message` for each (key, holds, message) rule that does not hold; a message that
+    already names its key with a value (`model.hidden_size=64 is not ...`) stands alone."""
+    return [message if f"{key}=" in message else f"{key}: {message}" for key, holds, message in rules if not holds]
+
+
+def is_commit(revision: str | None) -> bool:
+    """A hub revision that cannot move: a full commit sha, not a branch or a tag."""
+    return bool(revision) and re.fullmatch(r"[0-9a-f]{40}", revision) is not None
+
+
+def from_hub(tok: TokenizerConfig) -> bool:
+    """tokenizer.pretrained names a hub repo, not a local directory (absolute, ./ or ~ paths)."""
+    return bool(tok.pretrained) and not tok.pretrained.startswith(("/", ".", "~"))
+
+
+def data_rules(data: DataConfig, model: ModelConfig | None = None) -> list[str]:
+    pinned = not data.hub_name or bool(data.paths) or is_commit(data.hub_revision)
+    rules = [
+        ("data.paths", bool(data.paths) or bool(data.hub_name), "give data.paths or data.hub_name"),
+        (
+            "data.hub_revision",
+            pinned,
+            f"pin data.hub_name={data.hub_name} to a commit of the hub repo, its 40-hex sha (a branch or tag "
+            f"moves), got {data.hub_revision}",
+        ),
+    ]
+    if model is not None:  # blocks longer than the model's positions cannot train
+        ok = data.seq_len <= model.max_seq_len
+        rules.append(("data.seq_len", ok, f"{data.seq_len} exceeds model.max_seq_len={model.max_seq_len}"))
+    return failed(rules)
+
+
+def tokenizer_rules(tok: TokenizerConfig) -> list[str]:
+    pinned = not from_hub(tok) or is_commit(tok.revision)
+    why = (
+        f"pin tokenizer.pretrained={tok.pretrained} to a commit of the hub repo, its 40-hex sha "
+        f"(a branch or tag moves), got {tok.revision}"
+    )
+    return failed([("tokenizer.revision", pinned, why)])
+
+
+def model_rules(model: ModelConfig) -> list[str]:
+    heads, kv = model.num_heads, model.num_kv_heads
+    if heads < 1 or kv < 1:
+        return []  # out of BOUNDS, which problems() reports (and then skips these rules)
+    return failed([
+        ("model.hidden_size", model.hidden_size % heads == 0,
+         f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={heads}"),
+        ("model.num_kv_heads", heads % kv == 0,
+         f"model.num_heads={heads} is not divisible by model.num_kv_heads={kv} "
+         "(each kv head serves a whole group of query heads)"),
+        ("model.head_dim", (model.hidden_size // heads) % 2 == 0,
+         "hidden_size / num_heads must be even for rotary embeddings"),
+    ])  # fmt: skip
+
+
+def train_rules(train: TrainConfig) -> list[str]:
+    return failed([
+        ("train.warmup_steps", 0 <= train.warmup_steps < train.steps,
+         f"{train.warmup_steps} must be >= 0 and < train.steps={train.steps}"),
+        ("train.min_lr", 0 <= train.min_lr <= train.lr, f"{train.min_lr} must be in [0, train.lr={train.lr}]"),
+        ("train.resume", bool(train.resume.strip()), "must be auto, never or a checkpoint version"),
+    ])  # fmt: skip
+
+
+def preflight_rules(preflight: PreflightConfig, cluster: ClusterConfig | None = None) -> list[str]:
+    unknown = sorted(k for k in preflight.floors if not k.startswith(PERF_METRICS))
+    measured = ", ".join(PERF_METRICS)
+    why = f"{', '.join(unknown)}: not a metric preflight measures (names start with {measured})"
+    rules = [("preflight.floors", not unknown, why)]
+    if cluster is not None:  # the gate needs at least this many of the nodes the job asks for
+        n = preflight.min_healthy_nodes
+        ok = n is None or 1 <= n <= cluster.nodes
+        rules.append(("preflight.min_healthy_nodes", ok, f"{n} must be in [1, cluster.nodes={cluster.nodes}]"))
+    return failed(rules)
+
+
+def eval_rules(ev: EvalConfig) -> list[str]:
+    known = ev.objective in EVAL_METRICS or ev.objective.startswith("lm_eval/")
+    why = f"{ev.objective!r} is not a metric evaluate records ({', '.join(EVAL_METRICS)}, lm_eval/...)"
+    return failed([("eval.objective", known, why)])
+
+
+def cluster_rules(cluster: ClusterConfig) -> list[str]:
+    from components.devices import DEVICES, device
+
+    c = cluster
+    known = ", ".join(d.key for d in DEVICES)
+    reserved = sorted(k for k in c.env if k in RESERVED_ENV or k.startswith(("TORCHX_", "LIFTOFF_")))
+    names, paths = [v.name for v in c.volumes], [v.mount_path.rstrip("/") for v in c.volumes]
+    bad_env = sorted(k for k in c.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))
+    expanded = sorted(k for k, v in c.env.items() if "$(" in str(v))  # Kubernetes would expand $(VAR)
+    return failed([
+        ("cluster.gpu_type", c.gpu_type is None or device(c.gpu_type) is not None,
+         f"unknown {c.gpu_type!r}: one of {known}, or null (then preflight.device_memory_gb "
+         "and train.peak_tflops)"),
+        ("cluster.image_pull_policy", c.image_pull_policy in PULL_POLICIES,
+         f"must be one of {', '.join(PULL_POLICIES)}, got {c.image_pull_policy!r}"),
+        ("cluster.env", not reserved, f"{', '.join(reserved)} set by liftoff itself: not configurable"),
+        ("cluster.env", not bad_env, f"not an environment variable name: {', '.join(bad_env)}"),
+        ("cluster.env", not expanded, f"$(...) in {', '.join(expanded)}: Kubernetes expands it; write $$(...)"),
+        ("cluster.volumes", len(set(names)) == len(names) and "dshm" not in names,
+         f"names must be unique and not dshm (the /dev/shm volume), got {names}"),
+        ("cluster.volumes", len(set(paths)) == len(paths) and "/dev/shm" not in paths,
+         f"mount paths must be unique and not /dev/shm, got {paths}"),
+    ] + [rule for v in c.volumes for rule in volume_rules(v)])  # fmt: skip
+
+
+def volume_rules(v: VolumeConfig) -> list[tuple[str, bool, str]]:
+    key = f"cluster.volumes[{v.name}]"
+    return [
+        (key, bool(re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", v.name)),
+         "name must be a DNS label (lowercase letters, digits, '-')"),
+        (key, v.kind in VOLUME_KINDS, f"kind must be one of {', '.join(VOLUME_KINDS)}, got {v.kind!r}"),
+        (key, v.mount_path.startswith("/"), f"mount_path must be absolute, got {v.mount_path!r}"),
+        (key, v.kind != "hostPath" or bool(v.host_path), "kind hostPath needs host_path"),
+        (key, v.kind != "pvc" or bool(v.claim_name), "kind pvc needs claim_name"),
+        (key, v.size_gb is None or v.size_gb > 0, f"size_gb must be > 0, got {v.size_gb}"),
+        (key, v.medium in ("", "Memory"), f"medium must be '' or Memory, got {v.medium!r}"),
+    ]  # fmt: skip
+
+
+def store_rules(store: StoreConfig) -> list[str]:
+    return []  # store.timeout_s is a range: BOUNDS
+
+
+def kfp_rules(kfp: KfpConfig) -> list[str]:
+    return failed([("kfp.pipeline_name", bool(kfp.pipeline_name.strip()), "must not be empty")])
+
+
+# Each group's rules, and the other groups they read: a rule that reads a second group runs
+# when that group is given and in range too (otherwise it gets None and skips that rule).
+GROUP_RULES: dict[str, tuple[Callable[..., list[str]], tuple[str, ...]]] = {
+    "data": (data_rules, ("model",)),  # data.seq_len <= model.max_seq_len
+    "tokenizer": (tokenizer_rules, ()),
+    "model": (model_rules, ()),
+    "train": (train_rules, ()),
+    "preflight": (preflight_rules, ("cluster",)),  # preflight.min_healthy_nodes <= cluster.nodes
+    "eval": (eval_rules, ()),
+    "cluster": (cluster_rules, ()),
+    "store": (store_rules, ()),
+    "kfp": (kfp_rules, ()),
+}
+
+
+def problems(groups: dict[str, Any]) -> list[str]:
+    """Every key out of its BOUNDS first; then the rules between keys of each group whose
+    values are all in range (and the rules that read a second group when both are here and in
+    range): a rule such as `hidden_size % num_heads` may assume sane values."""
+    ranges = {name: out_of_bounds(name, group) for name, group in groups.items()}
+    found = [message for messages in ranges.values() for message in messages]
+    sane = {name: group for name, group in groups.items() if not ranges[name]}
+    for name, group in sane.items():
+        judge, reads = GROUP_RULES[name]
+        found += judge(group, **{other: sane.get(other) for other in reads})
+    return found
+
+
+def check_config(cfg: DictConfig | Config) -> None:
+    """Raise ConfigError naming every key whose value is typed right but cannot work."""
+    obj = OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg
+    bad = problems({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+    if bad:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(bad))

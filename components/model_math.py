@@ -1,0 +1,53 @@
+"""Model math on the shared floor, one place for train, preflight and the planner: the Llama
+tensor layout a `ModelConfig` builds, training FLOPs per token, MFU and this host's memory."""
+
+from __future__ import annotations
+
+import os
+
+from components.config import ModelConfig
+from components.precision import fp8_eligible_dims
+
+
+def param_tensors(model: ModelConfig) -> list[tuple[str, int, bool]]:
+    """(kind, numel, is an fp8-eligible Linear weight) for every parameter tensor of the
+    Llama model `components/train/model.py` builds (tests/preflight/test_plan.py holds the two
+    to each other)."""
+    h, v = model.hidden_size, model.vocab_size or 0
+    kv = model.num_kv_heads * (h // model.num_heads)
+    ffn = model.ffn_hidden_size
+    block = [(h, h), (h, kv), (h, kv), (h, h), (h, ffn), (h, ffn), (ffn, h)]  # q k v o, gate up down
+    out = [("embed", v * h, False)]
+    for _ in range(model.num_layers):
+        out += [("linear", i * o, fp8_eligible_dims(i, o)) for i, o in block]
+        out += [("block_norm", h, False), ("block_norm", h, False)]
+    out.append(("norm", h, False))
+    if not model.tie_embeddings:
+        out.append(("lm_head", v * h, False))
+    return out
+
+
+def flops_per_token(cfg: ModelConfig, n_params_no_embed: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus
+    12·L·H·Q·T for attention scores and values (L layers, H heads, Q head dim, T seq len),
+    as in PaLM's MFU definition."""
+    head_dim = cfg.hidden_size // cfg.num_heads
+    return 6 * n_params_no_embed + 12 * cfg.num_layers * cfg.num_heads * head_dim * seq_len
+
+
+def planned_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """`flops_per_token` from the tensor layout, before any model is built."""
+    n = sum(numel for _, numel, _ in param_tensors(cfg))
+    return flops_per_token(cfg, n - (cfg.vocab_size or 0) * cfg.hidden_size, seq_len)
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak_tflops: float | None, devices: int) -> float | None:
+    """Model FLOPs utilization: achieved training FLOP/s over the peak of all devices."""
+    if not peak_tflops:
+        return None
+    return tokens_per_second * flops_per_token / (peak_tflops * 1e12 * devices)
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory (what a CPU "device" has)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

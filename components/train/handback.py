@@ -1,0 +1,168 @@
+"""The end of a training: the probe loss as trained, the export, the result, what the run
+says it trained (read from the live model), and the hand-back through the store."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from components import checkpoint_format
+from components.config import as_plain_dict
+from components.precision.fp8 import float8_cast_configs
+from components.store import ArtifactStore, Ref, sha256_file
+from components.train.export import export_hf
+from components.train.job import Job, TrainState, micro_loss
+from components.train.resume import Resumed
+from components.train.spec import WorkerResult
+
+PROBE_BLOCKS = 8
+
+
+def probe_loss(job: Job) -> float | None:
+    """The trained model's loss as it trained (its wrappers and precision) on the first val
+    blocks; validate recomputes it from the stored export, in fp32, in another process. A
+    collective under FSDP: every rank runs it. Compiled blocks run eagerly (no recompile)."""
+    import numpy as np
+
+    val = job.val
+    n = min(PROBE_BLOCKS, len(val))
+    if n == 0:
+        return None
+    batch = torch.from_numpy(np.stack([val[i] for i in range(n)]).astype(np.int64)).to(job.device)
+    norm = next(m for name, m in job.model.named_modules() if name.endswith("input_layernorm"))
+
+    def record(module, args) -> None:  # returns None: the forward's inputs stay as they are
+        job.forward_dtypes.setdefault("norm_weight", str(module.weight.dtype))
+
+    seen = norm.register_forward_pre_hook(record)
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            return float(micro_loss(job, batch))
+    finally:
+        seen.remove()
+
+
+def finish(job: Job, state: TrainState, resumed: Resumed | None) -> WorkerResult | None:
+    """Wait for the last checkpoint, export the model, write the run's result (rank 0)."""
+    job.checkpointer.wait()
+    probe = probe_loss(job)
+    export_dir = Path(job.spec.run_dir) / "export"
+    export_hf(
+        job.model,
+        job.model_cfg,
+        job.model_cfg.vocab_size or job.vocab,
+        job.data_dir / "tokenizer",
+        export_dir,
+        job.rank,
+    )
+    job.watchdog.stop()
+    if job.rank != 0:
+        return None
+    final = job.ckpt_root / f"step-{state.step}"  # the last step trains and saves; a resume at it loaded it
+    return WorkerResult(
+        final_loss=state.last_loss,
+        probe_loss=probe,
+        probe_blocks=PROBE_BLOCKS,
+        steps=job.train.steps,
+        skipped_steps=state.skipped,
+        checkpoint=final.name,
+        checkpoint_version=checkpoint_format.version_of(job.identity, final),
+        publish_errors=job.checkpointer.publish_errors,
+        world=job.world,
+        precision=job.train.precision.value,
+        float8_linear_count=len(job.float8_modules),
+        float8_linear_modules=job.float8_modules,
+        wrapped_modules=wrapped_modules(job.model),
+        float8_cast_configs=float8_cast_configs(job.model),
+        forward_dtypes=job.forward_dtypes,  # e.g. a block norm's weight as the forward saw it
+        resumed_from=str(resumed.ref) if resumed else None,
+        start_step=resumed.step if resumed else 0,
+    )
+
+
+def describe(job: Job) -> str:
+    """What trains, read from the live model: world, precision, wrappers."""
+    wrapped = wrapped_modules(job.model)
+    blocks = job.model_cfg.num_layers
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    parts = [f"training on {nodes} node(s) x {job.world // nodes} process(es), {job.device.type}"]
+    if job.float8_modules:
+        parts.append(f"fp8 ({job.train.fp8_recipe.value}) in {len(job.float8_modules)} Float8Linear, bf16 elsewhere")
+    else:
+        parts.append(job.train.precision.value)
+    parts.append(f"activation checkpointing on {wrapped['activation_checkpoint']}/{blocks} blocks")
+    parts.append(f"compiled {wrapped['compiled']}/{blocks} blocks")
+    parts.append("FSDP2" if wrapped["fsdp"] else ("DDP" if job.world > 1 else "one process"))
+    return ", ".join(parts)
+
+
+def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
+    """How many modules of the trained model each wrapper holds, counted by type."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    kinds = {"fsdp": FSDPModule, "activation_checkpoint": CheckpointWrapper, "compiled": torch._dynamo.OptimizedModule}
+    counts = {name: sum(isinstance(m, cls) for m in model.modules()) for name, cls in kinds.items()}
+    # parameters FSDP all-gathers in fp8: their local shard is torchao's float8-cast weight
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    counts["fp8_all_gather_params"] = sum(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in local)
+    # scales precomputed for the next all-gather, one all-reduce for all weights (torchao's FSDP recipe)
+    counts["fp8_precomputed_scales"] = sum(getattr(t, "_precomputed_scale", None) is not None for t in local)
+    return counts
+
+
+def hand_back(job: Job, result: WorkerResult) -> None:
+    """Rank 0 returns everything through the store, the one thing a driver pod shares with
+    the replicas: the model (Hugging Face export plus the training records), then the run's
+    record (`run/<identity>@<launch id>`: the result and metrics.jsonl) naming it. The model
+    carries the training records and the TensorBoard events, so they outlive the pods."""
+    run_dir, export = Path(job.spec.run_dir), Path(job.spec.run_dir) / "export"
+    shutil.copyfile(run_dir / "metrics.jsonl", export / "training_metrics.jsonl")
+    if (run_dir / "tensorboard").is_dir():  # the run's one event file (train/ and val/ scalars)
+        shutil.copytree(run_dir / "tensorboard", export / "tensorboard", dirs_exist_ok=True)
+    # the version names the weights too: a rerun that trains other weights (a code change,
+    # train.resume=never) publishes a new version instead of handing back the stored one
+    digest = sha256_file(export / "model.safetensors")[:12]
+    heal_lineage(job.store, Ref("model", job.model_cfg.name, f"{job.identity}-{digest}"))
+    keys = ("final_loss", "probe_loss", "probe_blocks", "steps", "precision", "float8_linear_count",
+            "float8_linear_modules", "float8_cast_configs", "world", "wrapped_modules", "resumed_from",
+            "start_step")  # fmt: skip
+    model = job.store.publish(
+        "model",
+        job.model_cfg.name,
+        f"{job.identity}-{digest}",
+        export,
+        metadata={
+            **{k: getattr(result, k) for k in keys},
+            "continued": result.continued,
+            "identity": job.identity,
+            "train": as_plain_dict(job.train),
+        },
+        parents=[job.spec.dataset, f"checkpoint/{job.model_cfg.name}@{result.checkpoint_version}"],
+    )
+    with tempfile.TemporaryDirectory() as staging:  # the record exists only in the store
+        record = Path(staging)
+        handed = dataclasses.replace(result, model=str(model.ref))
+        (record / "result.json").write_text(json.dumps(handed.to_json(), indent=2))
+        shutil.copyfile(run_dir / "metrics.jsonl", record / "metrics.jsonl")
+        job.store.publish("run", job.identity, job.spec.launch_id, record, parents=[str(model.ref)])
+
+
+def heal_lineage(store: ArtifactStore, ref: Ref) -> None:
+    """A stored version of these same weights whose parents are gone, quarantined or damaged (a
+    checkpoint this run trained again) is quarantined, so the publish after this names parents
+    that verify instead of handing back the stored version with its dead lineage."""
+    if not store.exists(ref):
+        return
+    parents = [Ref.parse(p) for p in store.manifest(ref).parents]
+    # a checkpoint parent is re-hashed (and quarantined if it does not verify): a dataset is not
+    dead = [str(p) for p in parents if not store.exists(p) or (p.kind == "checkpoint" and store.check(p))]
+    if dead:
+        store.quarantine(ref, f"its lineage names {', '.join(dead)}, gone or damaged")

@@ -1,0 +1,173 @@
+"""A training job: what every rank sets up before its first step (model, precision, wrappers,
+data, optimizer, checkpointer, monitor), the state the loop carries, and one micro-batch's loss."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from components.config import ModelConfig, TrainConfig
+from components.distributed import init_distributed
+from components.model_math import flops_per_token
+from components.precision import Recipe, recipe
+from components.precision.fp8 import float8_modules
+from components.store import ArtifactStore, Ref, open_store
+from components.stream import StreamingBlocks, open_split
+from components.train import checkpoint as ckpt
+from components.train.activation_checkpoint import apply_activation_checkpointing
+from components.train.data import BlockSampler
+from components.train.model import build_model, count_params
+from components.train.monitor import Monitor, Watchdog
+from components.train.nonfinite import clean_name
+from components.train.optim import build_optimizer
+from components.train.parallel import apply_compile, wrap
+from components.train.prometheus import exporter_for
+from components.train.spec import TrainSpec
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint carries forward besides weights and optimizer state."""
+
+    step: int = 0
+    samples: int = 0  # global samples consumed: the data order continues from here, on any world size
+    skipped: int = 0
+    bad_in_row: int = 0
+    last_loss: float = math.nan
+
+
+@dataclass
+class Job:
+    """Everything set up once per process; the loop reads it."""
+
+    spec: TrainSpec
+    train: TrainConfig
+    model_cfg: ModelConfig
+    store: ArtifactStore
+    rank: int
+    world: int
+    device: torch.device
+    recipe: Recipe
+    fsdp: bool
+    data_dir: Path  # the dataset version itself: tokenizer and stats (its blocks are in the shards)
+    val: StreamingBlocks
+    vocab: int
+    sampler: BlockSampler
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    checkpointer: ckpt.Checkpointer
+    monitor: Monitor
+    watchdog: Watchdog
+    tokens_per_step: int
+    flops_per_token: float
+    float8_modules: list[str]
+    on_step: list = field(default_factory=list)  # callables(step), run as each step starts
+    forward_dtypes: dict = field(default_factory=dict)  # dtypes seen inside a forward (mixed precision's effect)
+
+    @property
+    def ckpt_root(self) -> Path:
+        return checkpoint_root(self.spec)
+
+    @property
+    def identity(self) -> str:
+        return self.spec.identity
+
+
+def build_job(spec: TrainSpec) -> Job:
+    """Data, model (fp8 convert -> activation checkpointing -> compile -> FSDP/DDP, as
+    torchtitan orders them), optimizer, checkpointer and monitor."""
+    train, model_cfg = spec.train, spec.model
+    store = open_store(spec.store)
+    watchdog = Watchdog(train.watchdog_timeout_s)
+    watchdog.start()
+    rank, world, device = init_distributed(timeout_s=max(60.0, train.watchdog_timeout_s * 2))
+    precision = recipe(train.precision)
+    precision.check_device(device)
+
+    dataset = store.manifest(Ref.parse(spec.dataset))
+    blocks = open_split(store, dataset, "train", spec.data_cache_gb, on_wait=watchdog.beat)
+    val = open_split(store, dataset, "val", spec.data_cache_gb, on_wait=watchdog.beat)
+    vocab = dataset.metadata["stats"]["vocab_size"]
+    data_dir = store.fetch(dataset)
+    sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, world, rank, train.seed)
+    model = build_model(model_cfg, model_cfg.vocab_size or vocab, train.seed).to(device)
+    seq_len = blocks.block_len - 1
+    n_flops = flops_per_token(model_cfg, count_params(model, exclude_embeddings=True), seq_len)
+    precision.apply(model, train, device)
+    if train.activation_checkpointing:
+        apply_activation_checkpointing(model, train.ac_every_n_blocks)
+    compiled = train.compile if train.compile is not None else device.type == "cuda"
+    if compiled:
+        apply_compile(model)
+    model = wrap(model, train.parallelism, device, precision)
+    fsdp = hasattr(model, "set_requires_gradient_sync")
+    if fsdp:
+        precision.after_optimizer_step(model, train, fsdp)  # the first step's fp8 all-gather scales
+    optimizer = build_optimizer(model, train)
+    scaler = torch.amp.GradScaler(device.type) if train.loss_scaling else None
+
+    checkpointer = build_checkpointer(spec, train, store, model_cfg.name, rank)
+    node = os.environ.get("NODE_NAME") or socket.gethostname()
+    exporter = exporter_for(train.metrics_port, spec.identity, rank, node, spec.launch_id, spec.nodes_share_host)
+    monitor = Monitor(
+        Path(spec.run_dir),
+        rank,
+        world,
+        train.loss_spike_factor,
+        train.straggler_zscore,
+        train.log_interval,
+        device,
+        exporter,
+    )
+    float8 = [clean_name(n) for n in float8_modules(model)]  # read from the model that trains
+    return Job(
+        spec=spec,
+        train=train,
+        model_cfg=model_cfg,
+        store=store,
+        rank=rank,
+        world=world,
+        device=device,
+        recipe=precision,
+        fsdp=fsdp,
+        data_dir=data_dir,
+        val=val,
+        vocab=vocab,
+        sampler=sampler,
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        checkpointer=checkpointer,
+        monitor=monitor,
+        watchdog=watchdog,
+        tokens_per_step=train.micro_batch_size * train.grad_accum_steps * world * seq_len,
+        flops_per_token=n_flops,
+        float8_modules=float8,
+    )
+
+
+def checkpoint_root(spec: TrainSpec) -> Path:
+    """This node's checkpoint directory: relative paths land on the node's own disk; a volume
+    mounted on every node gets one subdirectory per node, so no two nodes write one place."""
+    return Path(spec.checkpoint_dir) / f"node{os.environ.get('GROUP_RANK', '0')}"
+
+
+def build_checkpointer(spec: TrainSpec, train: TrainConfig, store: ArtifactStore, model_name: str, rank: int):
+    """The checkpointer: every rank saves on its own node and uploads its own part; versions
+    name the training identity, step and content."""
+    seed = [] if train.resume in ("auto", "never") else [f"checkpoint/{model_name}@{train.resume}"]
+    target = ckpt.StoreTarget(store, model_name, spec.identity, [spec.dataset, *seed])
+    return ckpt.Checkpointer(checkpoint_root(spec), train.checkpoint_keep, train.checkpoint_async, rank, target)
+
+
+def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
+    with job.recipe.autocast(job.device, job.fsdp):
+        logits = job.model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
