@@ -89,7 +89,7 @@ def split_corpus(dest: Path, parts: int = 8) -> Path:
 
 def upload_corpus(store_cfg: StoreConfig, bucket: str, corpus: Path, prefix: str) -> str:
     """The corpus folder's files as objects under s3://bucket/prefix on the store's endpoint."""
-    from components.store.s3 import Connection
+    from components.store.connection import Connection
 
     client = Connection.from_config(store_cfg).client()
     client.make_bucket(bucket)

@@ -145,7 +145,7 @@ def test_an_existing_bucket_is_used_as_it_is_never_reconfigured(s3_env, tmp_path
     """Issue 22: a bucket made by a deploy step (or KFP's own) is opened without make_bucket or
     a versioning change, the calls a least-privilege user may not make: the bucket made here with
     versioning off still has it off after liftoff opened it and published into it."""
-    from components.store.s3 import Connection
+    from components.store.connection import Connection
     from tests.conftest import store_config
 
     cfg = store_config("minio", tmp_path)

@@ -1,12 +1,16 @@
 """The versioned artifact store: a local directory or MinIO, one layout and one interface.
 
 keys.py holds the key and manifest model (errors, Ref, Manifest, sha256, code version),
-local.py and s3.py the two backends (s3.py also reads s3:// sources), artifacts.py the
-store itself (publish, resolve, fetch, read_range, verify, quarantine, delete) and open_store,
-retention.py which checkpoints are kept, lease.py one holder per training identity. Import from here.
+local.py and s3.py the two backends (connection.py reaches MinIO, with bounded retries; sources.py
+reads s3:// sources), artifacts.py the store itself (publish, resolve, fetch, read_range, lineage)
+and open_store, with damage.py (verify, quarantine) and deletion.py (pin, dependants, delete)
+mixed in, retention.py which checkpoints are kept, lease.py one holder per training identity.
+Import from here.
 """
 
-from components.store.artifacts import ArtifactStore, Backend, HasDependants, open_store
+from components.store.artifacts import ArtifactStore, Backend, open_store
+from components.store.connection import Connection
+from components.store.deletion import HasDependants
 from components.store.keys import (
     KINDS,
     MANIFEST,
@@ -28,14 +32,8 @@ from components.store.keys import (
 from components.store.lease import Lease, LeaseHeld, LeaseLost, default_holder
 from components.store.local import LocalBackend
 from components.store.retention import apply_retention, plan_retention
-from components.store.s3 import (
-    Connection,
-    MinioBackend,
-    ObjectSource,
-    SourceObject,
-    object_source,
-    parse_s3_url,
-)
+from components.store.s3 import MinioBackend
+from components.store.sources import ObjectSource, SourceObject, object_source, parse_s3_url
 
 __all__ = [
     "KINDS",

@@ -22,14 +22,14 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
 from components.config import StoreBackend, StoreConfig
+from components.store.damage import Damage
+from components.store.deletion import Deletion
 from components.store.keys import (
     MANIFEST,
-    PINNED,
     QUARANTINED,
     RESERVED,
     IntegrityError,
@@ -37,12 +37,12 @@ from components.store.keys import (
     Manifest,
     NotFound,
     Ref,
-    StoreError,
     check_part,
     check_range,
     check_relpath,
     code_version,
     sha256_file,
+    utc_now,
 )
 from components.store.local import LocalBackend
 from components.store.s3 import MinioBackend
@@ -71,22 +71,6 @@ class Backend(Protocol):
     def drop_history(self, key: str) -> int: ...  # the noncurrent versions of one object
 
 
-class HasDependants(StoreError):
-    """A version some other version's lineage names: removing it alone would break that lineage."""
-
-    def __init__(self, ref: Ref, dependants: list[Ref]):
-        self.ref, self.dependants = ref, dependants
-        names = ", ".join(map(str, dependants))
-        super().__init__(
-            f"{ref} is in the lineage of {len(dependants)} version{'s' if len(dependants) != 1 else ''}: "
-            f"{names}; --with-dependants removes them too"
-        )
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
-
-
 def _files_of(src: Path) -> dict[str, Path]:
     src = Path(src)
     if src.is_file():
@@ -105,7 +89,7 @@ def _check_not_reserved(entries: Iterable[str], what: str) -> None:
         raise InvalidKey(f"{what} contains a file named {reserved[0]}, which the store reserves")
 
 
-class ArtifactStore:
+class ArtifactStore(Damage, Deletion):
     def __init__(self, backend: Backend, cache_dir: Path):
         self.backend = backend
         self.cache_dir = Path(cache_dir)
@@ -213,7 +197,7 @@ class ArtifactStore:
                 f"{ref}: {len(missing)} file(s) not in {self.description} at their recorded size "
                 f"({', '.join(missing[:5])}); not publishing it"
             )
-        manifest = Manifest(ref, dict(entries), dict(metadata or {}), list(parents), code_version(), _now())
+        manifest = Manifest(ref, dict(entries), dict(metadata or {}), list(parents), code_version(), utc_now())
         healing = self.quarantined(ref) is not None
         if healing and (problems := self.verify(manifest)):
             raise IntegrityError(
@@ -349,173 +333,6 @@ class ArtifactStore:
             except NotFound:
                 parents.append({"ref": p, "missing": True, "parents": []})
         return {"ref": str(m.ref), "created": m.created, "code_version": m.code_version, **node, "parents": parents}
-
-    # -- damage: verify, quarantine ---------------------------------------------------------------
-
-    def verify(self, ref: Ref | Manifest) -> list[str]:
-        """Re-hash a version's stored objects against its manifest (each streamed; nothing is
-        kept): one line per problem (missing, wrong size, wrong sha256); [] when it verifies."""
-        manifest = ref if isinstance(ref, Manifest) else self.manifest(ref)
-        prefix = manifest.ref.prefix
-        present = self.backend.list_sizes(prefix)
-        problems = []
-        for rel, entry in sorted(manifest.files.items()):
-            key = f"{prefix}/{rel}"
-            if rel not in present:
-                problems.append(f"{key}: missing")
-            elif present[rel] != entry["size"]:
-                problems.append(f"{key}: {present[rel]} bytes, the manifest says {entry['size']}")
-            else:
-                try:
-                    got, size = self.backend.digest(key)
-                except NotFound:
-                    problems.append(f"{key}: missing")
-                    continue
-                if (got, size) != (entry["sha256"], entry["size"]):
-                    problems.append(f"{key}: sha256 {got[:12]}, the manifest says {entry['sha256'][:12]}")
-        return problems
-
-    def quarantine(self, ref: Ref, reason: str) -> dict:
-        """Take a version out of the store's view, keeping its bytes: its manifest moves to
-        `<prefix>/manifest.quarantined.json` as {"ref", "reason", "at", "manifest"} (the record
-        is written before the manifest is deleted: a crash between leaves the version visible).
-        Idempotent; NotFound when the version is neither stored nor quarantined."""
-        try:
-            manifest = self.manifest(ref)
-        except NotFound:
-            if (record := self.quarantined(ref)) is not None:
-                return record
-            raise NotFound(f"no version {ref} in {self.description} to quarantine") from None
-        except IntegrityError as e:  # an unreadable manifest: keep what is there
-            manifest, reason = None, f"{reason}; {e}"
-        record = {
-            "ref": str(ref),
-            "reason": reason,
-            "at": _now(),
-            "manifest": json.loads(manifest.to_json()) if manifest else None,
-        }
-        if record["manifest"] is None:
-            record["manifest_bytes"] = self.backend.get_bytes(f"{ref.prefix}/{MANIFEST}").decode(errors="replace")
-        self.backend.put_bytes(f"{ref.prefix}/{QUARANTINED}", json.dumps(record, indent=2, sort_keys=True).encode())
-        self.backend.delete(f"{ref.prefix}/{MANIFEST}")
-        log.warning("quarantined %s in %s: %s", ref, self.description, reason)
-        return record
-
-    def quarantined(self, ref: Ref) -> dict | None:
-        """The quarantine record of a version that is quarantined now (record there, no valid
-        manifest); None otherwise."""
-        try:
-            record = json.loads(self.backend.get_bytes(f"{ref.prefix}/{QUARANTINED}"))
-        except NotFound:
-            return None
-        except ValueError:
-            record = {"ref": str(ref), "reason": "unreadable quarantine record", "manifest": None}
-        return None if self.exists(ref) else record
-
-    def check(self, ref: Ref) -> list[str]:
-        """verify, and quarantine the version when its bytes do not verify; the problems."""
-        problems = self.verify(ref)
-        if problems:
-            self.quarantine(ref, f"does not verify: {'; '.join(problems[:5])}")
-        return problems
-
-    def verify_lineage(self, ref: Ref) -> dict[str, list[str]]:
-        """Each version of ref's lineage that does not verify, with its problems: missing from the
-        store, quarantined, or bytes that do not match; {} when all of it verifies."""
-        bad: dict[str, list[str]] = {}
-        seen: set[str] = set()
-
-        def walk(node: dict) -> None:
-            if node["ref"] in seen:
-                return
-            seen.add(node["ref"])
-            if node.get("missing"):
-                bad[node["ref"]] = ["missing from the store"]
-            elif node.get("quarantined"):
-                bad[node["ref"]] = [f"quarantined: {node.get('reason')}"]
-            elif problems := self.verify(Ref.parse(node["ref"])):
-                bad[node["ref"]] = problems
-            for parent in node["parents"]:
-                walk(parent)
-
-        walk(self.lineage(ref))
-        return bad
-
-    # -- pins, dependants, deletion --------------------------------------------------------------
-
-    def pin(self, ref: Ref, reason: str = "") -> None:
-        """Keep a version from retention (`<prefix>/manifest.pinned.json`); NotFound if not stored."""
-        if not self.exists(ref) and self.quarantined(ref) is None:
-            raise NotFound(f"no version {ref} in {self.description} to pin")
-        self.backend.put_bytes(f"{ref.prefix}/{PINNED}", json.dumps({"reason": reason, "at": _now()}).encode())
-
-    def unpin(self, ref: Ref) -> None:
-        self.backend.delete(f"{ref.prefix}/{PINNED}")
-
-    def is_pinned(self, ref: Ref) -> bool:
-        try:
-            self.backend.get_bytes(f"{ref.prefix}/{PINNED}")
-            return True
-        except NotFound:
-            return False
-
-    def dependants(self, ref: Ref, manifests: Iterable[Manifest] | None = None) -> list[Ref]:
-        """Every version whose lineage names ref (through its parents, theirs, ...), each after
-        every version of the list it was made from; from one pass over the store's manifests (or
-        the given ones)."""
-        parents_of: dict[str, list[str]] = {}
-        children: dict[str, list[str]] = {}
-        refs: dict[str, Ref] = {}
-        for m in self.ls() if manifests is None else manifests:
-            refs[str(m.ref)] = m.ref
-            parents_of[str(m.ref)] = list(m.parents)
-            for p in m.parents:
-                children.setdefault(p, []).append(str(m.ref))
-        reached, stack = set(), [str(ref)]
-        while stack:
-            for child in children.get(stack.pop(), []):
-                if child not in reached and child != str(ref):
-                    reached.add(child)
-                    stack.append(child)
-        ordered, done = [], {str(ref)}
-        while len(ordered) < len(reached):  # parents first (Kahn's order, by name among equals)
-            ready = sorted(r for r in reached - done if all(p not in reached or p in done for p in parents_of[r]))
-            if not ready:  # a cycle of parents (no pipeline writes one): the rest by name
-                ready = sorted(reached - done)
-            ordered += ready
-            done.update(ready)
-        return [refs[r] for r in ordered]
-
-    def holds(self, ref: Ref) -> bool:
-        """Whether any object of the version is stored (valid, quarantined or a partial upload)."""
-        return bool(self.backend.list_sizes(ref.prefix))
-
-    def delete(self, ref: Ref) -> int:
-        """Remove a version: its manifest first (so a half-deleted version is invisible), then
-        every object under its prefix, every object version of them on a versioned bucket. How
-        many objects (object versions) went; NotFound when nothing of it is stored."""
-        if not self.holds(ref):
-            raise NotFound(f"no version {ref} in {self.description}")
-        removed = self.backend.purge(f"{ref.prefix}/{MANIFEST}")
-        removed += self.backend.purge(ref.prefix)
-        log.info("deleted %s from %s (%d objects)", ref, self.description, removed)
-        return removed
-
-    def remove(self, ref: Ref, with_dependants: bool = False) -> list[Ref]:
-        """Delete ref; with_dependants: and every version whose lineage names it, each before the
-        versions it was made from (a crash half-way leaves no lineage naming a deleted version). Without it, a version
-        some lineage names is refused: HasDependants lists them. What was removed, in order."""
-        dependants = self.dependants(ref)
-        if dependants and not with_dependants:
-            raise HasDependants(ref, dependants)
-        if not self.holds(ref):
-            raise NotFound(f"no version {ref} in {self.description}")
-        removed = []
-        for r in [*reversed(dependants), ref]:
-            if self.holds(r):
-                self.delete(r)
-                removed.append(r)
-        return removed
 
 
 def open_store(cfg: StoreConfig, create: bool = True) -> ArtifactStore:

@@ -1,4 +1,4 @@
-"""The store's key and manifest model: key parts, errors, Ref, Manifest, hashing, code version.
+"""The store's key and manifest model: key parts, errors, Ref, Manifest, hashing, time stamps, code version.
 
 Keys are `<kind>/<name>/<version>/<file>`; a version's `manifest.json` lists its files with
 sha256 and size, its metadata, parents, code version and created time.
@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -75,6 +76,11 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def utc_now() -> str:
+    """The store's time stamp (a manifest's created time, a quarantine's or a pin's): UTC, to the microsecond."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
 def code_version() -> str:
