@@ -36,8 +36,9 @@ run: install            ## the tiny CPU experiment, all five stages through kfp.
 test: install browser   ## the test suite (fast chaos tests included)
 	$(BIN)/python -m pytest -q -m "not chaos_slow" $(ARGS)
 
-chaos: install          ## every chaos test, then the summary table
+chaos: install browser  ## every chaos test, then the summary table; then the long tests make test leaves out
 	$(BIN)/python -m pytest -q tests/chaos $(ARGS)
+	$(BIN)/python -m pytest -q -m chaos_slow --ignore=tests/chaos $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .

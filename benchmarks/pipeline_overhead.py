@@ -1,6 +1,6 @@
 """pipeline_overhead: wall time of `liftoff run` (the tiny experiment, all five stages through
-kfp.local, nothing cached) minus the stages' own work (each task prints `liftoff-stage NAME
-compute_s=...`, measured from after its imports to the end of its work). What remains is
+kfp.local, nothing cached) minus the stages' own work (each task hands back a `compute`
+event (components/events.py), measured from after its imports to the end of its work). What remains is
 everything a user waits for that is not the stages' work: the CLI, kfp.local's task processes
 and executor, artifact passing, and each task process importing its libraries. (Until
 2026-12-01 the stage time included those imports, which flattered the overhead.) Target:
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import CORPUS, report
-from components.task import STAGE_LINE
+from components import events
 
 SEQUENTIAL = ("tokenize-plan", "tokenize-merge", "preflight", "train", "validate", "evaluate")
 PARALLEL = "tokenize-shard"  # one task per source partition, `data.parallelism` at a time
@@ -33,10 +33,10 @@ PARALLEL = "tokenize-shard"  # one task per source partition, `data.parallelism`
 
 def stage_work(stdout: str, parallelism: int) -> tuple[dict[str, float], list[float]]:
     """({stage: its work on the wall clock}, the shard tasks' own compute_s) from a run's output.
-    Raises SystemExit naming any stage that printed no `liftoff-stage` line, or an unknown one."""
+    Raises SystemExit naming any stage that handed back no `compute` event, or an unknown one."""
     seen: dict[str, list[float]] = {}
-    for name, seconds in STAGE_LINE.findall(stdout):
-        seen.setdefault(name, []).append(float(seconds))
+    for e in events.events(stdout.splitlines(), "compute"):
+        seen.setdefault(e["stage"], []).append(float(e["seconds"]))
     missing = [n for n in (*SEQUENTIAL, PARALLEL) if n not in seen]
     unknown = [n for n in seen if n not in (*SEQUENTIAL, PARALLEL)]
     repeated = [n for n in SEQUENTIAL if len(seen.get(n, [])) > 1]
@@ -61,7 +61,7 @@ def main(overrides: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         proc = subprocess.run(
-            # -v: every task's own lines (its `liftoff-stage` line among them) on stdout
+            # -v: every task's own lines (its `compute` event among them) on stdout
             [str(Path(sys.executable).parent / "liftoff"), "run", "-v", *args],
             cwd=tmp,
             capture_output=True,

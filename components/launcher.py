@@ -1,78 +1,41 @@
 """TorchX launch, shared by train and preflight: `dist.torchrun` with -j NODESxPROCS on
-local_cwd or kubernetes (Volcano)."""
+local_cwd or kubernetes (Volcano). The workers' own side of a launch is
+`components/worker_side.py`; what a failed job's replica logs say, `components/failures.py`."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
-import json
 import logging
 import os
-import re
 import signal
 import socket
 import sys
 import threading
 import time
-import typing
 import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from components import k8s, local_pod
+from components import events, k8s, local_pod
 from components.config import ClusterConfig, Scheduler
+from components.failures import _reported_failure, describe_failure
+from components.worker_side import PLUGIN_ARGS_ENV, PLUGIN_ENV, WorkerSpec
 
 log = logging.getLogger(__name__)
-# A module a worker imports when this is set in its environment and calls `install(...)` on:
-# how tests inject faults (a NaN, a dead or slow rank, a degraded node) into real runs.
-PLUGIN_ENV = "LIFTOFF_WORKER_PLUGIN"
-PLUGIN_ARGS_ENV = "LIFTOFF_WORKER_PLUGIN_ARGS"  # the plugin's own settings (which faults), as JSON
-
 
 # Warnings the replicas print on every launch with nothing to act on, filtered in the replicas
 # (declared in their environment, on Kubernetes as locally): DDP's deprecation of the
 # `broadcast_buffers` argument, whose replacement changes what it means (components/train/parallel.py).
 QUIET_WARNINGS = "ignore:`broadcast_buffers` is deprecated:FutureWarning"
 
-# What a replica's process prints, as one log line, when an exception ends it: its rank, the
-# time (epoch seconds) and the exception. The driver reads it from the replica's log stream
-# (all a pod shares with it besides the store) to name the rank that failed first.
-FAILURE_MARK = "liftoff-failure:"
-
 
 class LaunchError(RuntimeError):
-    pass
-
-
-class WorkerSpec:
-    """Base of what a stage tells the workers it launches: a dataclass whose fields are plain
-    JSON values or config groups. Encoded once, here, into the worker's command line."""
-
-    def to_json(self) -> dict:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_json(cls, data: dict):
-        from components.config import group_from_dict
-
-        hints = typing.get_type_hints(cls)
-        groups = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
-        return cls(**{k: group_from_dict(hints[k], v) if k in groups else v for k, v in data.items()})
-
-    def encode(self) -> str:
-        return base64.urlsafe_b64encode(json.dumps(self.to_json()).encode()).decode()
-
-    @classmethod
-    def decode(cls, text: str):
-        return cls.from_json(json.loads(base64.urlsafe_b64decode(text.encode()).decode()))
-
-
-def _plain(value):
-    from components.config import as_plain_dict, drop_none
-
-    return drop_none(as_plain_dict(value)) if dataclasses.is_dataclass(value) else value
+    @property
+    def summary(self) -> str:
+        """The cause, one line: the message without the log tail quoted under it."""
+        return str(self).splitlines()[0].removesuffix("; last log lines:") if str(self) else type(self).__name__
 
 
 @dataclass
@@ -106,51 +69,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def worker_spec(argv: list[str] | None, spec_type: type[WorkerSpec]):
-    """The start of every launched worker: its typed spec from `--spec-b64`, log lines that name
-    the rank, and the thread count the launcher chose for this host."""
-    import argparse
-
-    import torch
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec-b64", required=True)
-    spec = spec_type.decode(parser.parse_args(argv).spec_b64)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stdout,
-    )
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    report_uncaught_exceptions()
-    return spec
-
-
-def report_uncaught_exceptions(rank: str | None = None) -> None:
-    """An exception that ends this replica's process is first logged as one `FAILURE_MARK`
-    line (rank, time, type, message), then printed as usual. torch.distributed's own hook,
-    installed later, calls this one: it chains."""
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        report_failure(kind.__name__, str(value), rank)
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
-
-
-def report_failure(kind: str, message: str, rank: str | None = None) -> None:
-    """One `FAILURE_MARK` line for this replica's rank: the launcher ranks failures by its time,
-    so a process that ends itself (the watchdog) is named before the peers its exit fails.
-    Never raises: what the caller prints next (a traceback, the stacks) matters more."""
-    try:
-        rank = rank if rank is not None else os.environ.get("RANK", "?")
-        record = {"rank": rank, "time": time.time(), "type": kind, "message": message}
-        logging.getLogger("liftoff.failure").error("%s %s", FAILURE_MARK, json.dumps(record))
-    except Exception:
-        pass
 
 
 def threads_per_process(cluster: ClusterConfig) -> int:
@@ -286,13 +204,8 @@ def run_app(launch: Launch, env: dict[str, str] | None = None) -> None:
         except LaunchError as e:
             if attempt == attempts - 1 or isinstance(e, Unschedulable):  # the same gang would pend again
                 raise
-            log.warning(
-                "%s failed (attempt %d of %d); relaunching: %s",
-                launch.name,
-                attempt + 1,
-                attempts,
-                str(e).splitlines()[0],
-            )
+            log.warning("%s failed (attempt %d of %d); relaunching: %s", launch.name, attempt + 1, attempts, e.summary)
+            events.emit("relaunch", job=launch.name, attempt=attempt + 1, attempts=attempts, cause=e.summary)
 
 
 def run_once(launch: Launch, env: dict[str, str], tail_lines: int = 40) -> None:
@@ -442,208 +355,4 @@ def _raise_unless_succeeded(name: str, status, tails: dict, tail_lines: int, fai
 
     if status is not None and status.state == AppState.SUCCEEDED:
         return
-    state = status.state.name if status else "UNKNOWN"
-    ranked = first_failures(tails, failures or {})
-    if ranked:  # the rank that failed first is the cause; the others failed after it
-        first, *after = ranked
-        seen = list(tails.get(first.replica, []))
-        head = f"{name} ended {state}; first failure: {first.describe()}"
-        if after:
-            head += " (" + "; ".join(f"{f.who()} failed after it: {f.brief()}" for f in after) + ")"
-        # a replica whose log names no failure at all: its processes died without a word
-        # (SIGKILLed with their agent, a lost node or pod), or were stopped before they noticed
-        silent = sorted({*tails, *_failed_replicas(status)} - {f.replica for f in ranked})
-        if silent:
-            which = ", ".join(map(str, silent))
-            head += f"; replica {which} logged no error (its processes killed, or its node lost?)"
-    else:
-        failing = _failing_replica(status)
-        seen = list(tails.get(failing, [])) if failing is not None else [ln for k in sorted(tails) for ln in tails[k]]
-        cause = root_cause(seen)
-        head = (
-            f"{name} ended {state}"
-            + (f"; replica {failing} failed" if failing is not None else "")
-            + (f": {cause}" if cause else "")
-        )
-    raise LaunchError(
-        head
-        + "; last log lines:\n"
-        + "\n".join(f"  | {ln}" for ln in log_tail(seen, tail_lines))  # quoted: never read as the driver's own
-    )
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One rank's failure as its replica's log tells it: its own `FAILURE_MARK` line (exact
-    time, the exception), else torchrun's "Root Cause" block (the second its agent saw the
-    process end: a signal, or an exception from the error file `@record` wrote)."""
-
-    replica: int
-    rank: str
-    time: float
-    cause: str  # `Type: message`, or how the process ended
-    exact: bool = True  # False: torchrun's time, in whole seconds
-    order: float | None = None  # the time it is ranked by (see `torchrun_root_causes`); None: `time`
-
-    def __post_init__(self):
-        if self.order is None:
-            object.__setattr__(self, "order", self.time)
-
-    def who(self) -> str:
-        return f"replica {self.replica} rank {self.rank}"
-
-    def describe(self) -> str:
-        clock = time.strftime("%H:%M:%S", time.localtime(self.time))
-        clock += f".{int(self.time * 1000) % 1000:03d}" if self.exact else ""
-        return f"{self.who()} at {clock}: {self.cause}"
-
-    def brief(self, n: int = 120) -> str:
-        # gloo's source location in front of its message says nothing to a user
-        text = re.sub(r"^(\w+: )\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ", r"\1", self.cause)
-        text = re.split(r"(?<=\.) (?=[A-Z])", text, maxsplit=1)[0]  # its first sentence
-        return text if len(text) <= n else text[: n - 3].rstrip() + "..."
-
-
-# a process that died of these died on its own (the kernel's OOM killer, a crash); a SIGTERM
-# or SIGINT is someone stopping it (its agent after a peer failed, a cancel)
-_OWN_DEATH = ("SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")
-
-
-def _reported_failure(replica: int, line: str) -> Failure | None:
-    m = re.search(re.escape(FAILURE_MARK) + r" (\{.*\})\s*$", line)
-    if not m:
-        return None
-    try:
-        r = json.loads(m.group(1))
-        return Failure(replica, str(r["rank"]), float(r["time"]), _one_line(f"{r['type']}: {r['message']}"))
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def _one_line(text: str) -> str:
-    """A message's lines as one: `a:` then its indented items `b; c`."""
-    parts = [ln.strip().removeprefix("- ") for ln in text.strip().splitlines() if ln.strip()]
-    if not parts:
-        return text.strip()
-    out = parts[0]
-    for i, part in enumerate(parts[1:]):
-        out += (" " if i == 0 and out.endswith(":") else "; ") + part
-    return out
-
-
-# what the Kubernetes API puts before each line of a pod's log (TorchX asks for timestamps)
-_POD_LOG_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d) ")
-_ROOT_CAUSE_FIELD = re.compile(r"^\s{2}(time|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
-
-
-def torchrun_root_causes(replica: int, lines: list[str]) -> list[Failure]:
-    """The "Root Cause (first observed failure)" blocks torchrun's agent printed in this replica's log."""
-    from datetime import datetime
-
-    lines = [_POD_LOG_TIME.sub("", ln) for ln in lines]
-    found = []
-    for i, line in enumerate(lines):
-        if "Root Cause (first observed failure):" not in line:
-            continue
-        fields: dict[str, list[str]] = {}
-        key = None
-        for ln in lines[i + 2 :]:
-            if re.match(r"^\s*=+\s*$", ln) or re.match(r"^\[\d+\]:", ln):
-                break
-            m = _ROOT_CAUSE_FIELD.match(ln)
-            if m:
-                key = m.group(1)
-                fields[key] = [m.group(2)]
-            elif key == "traceback":
-                fields[key].append(ln[2:] if ln.startswith("  ") else ln)
-        try:
-            when = datetime.strptime(fields["time"][0].strip(), "%Y-%m-%d_%H:%M:%S").timestamp()
-            rank = fields["rank"][0].split()[0]
-        except (KeyError, IndexError, ValueError):
-            continue
-        exitcode = " ".join(fields.get("exitcode", ["?"])[0].split())
-        signal_name = re.search(r"\((SIG\w+)\)", exitcode)
-        code = exitcode.split()[0] if exitcode else "?"
-        cause = _traceback_exception(fields.get("traceback", []))
-        # Ranked against the exact times of the ranks' own reports: an exception from the
-        # error file happened within its (floored) second; a process that died on its own,
-        # with no exception, counts as first against exceptions up to a second later (what
-        # its peers take to notice: a lost connection, a timeout); one that was stopped, or
-        # exited without an exception, comes after whatever happened in its second
-        if cause is not None:
-            order = when + 0.5
-        elif signal_name:
-            cause = f"killed by {signal_name.group(1)} (exit code {code})"
-            order = when - 1.0 if signal_name.group(1) in _OWN_DEATH else when + 1.0
-        else:  # an exit without an exception (a watchdog's names itself in its own FAILURE_MARK line)
-            cause, order = f"exit code {code}", when + 1.0
-        found.append(Failure(replica, rank, when, cause, exact=False, order=order))
-    return found
-
-
-def _traceback_exception(lines: list[str]) -> str | None:
-    """`Type: message` of a printed traceback: the first unindented line after the frames of
-    its last (outermost) exception, and the message's lines up to the next blank one."""
-    if not lines or not lines[0].startswith("Traceback (most recent"):
-        return None
-    last = max(i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent"))
-    rest = lines[last + 1 :]
-    start = next((i for i, ln in enumerate(rest) if ln and not ln[0].isspace()), None)
-    if start is None:
-        return None
-    kind, _, message = rest[start].partition(": ")
-    body = [message]
-    for ln in rest[start + 1 :]:
-        if not ln.strip():
-            break
-        body.append(ln)
-    return _one_line(f"{kind.rsplit('.', 1)[-1]}: " + "\n".join(body))
-
-
-def first_failures(tails: dict, reported: dict) -> list[Failure]:
-    """Every rank that failed, first first: each rank's own report where its log has one, else
-    what torchrun's agent saw of it. Empty when no replica's log names a failed rank."""
-    by_rank: dict[str, Failure] = {}
-    for k in sorted(tails):
-        for f in torchrun_root_causes(k, list(tails[k])):
-            by_rank.setdefault(f.rank, f)
-    for k in sorted(reported):
-        for f in reported[k]:
-            if f.rank not in by_rank or not by_rank[f.rank].exact:
-                by_rank[f.rank] = f
-    return sorted(by_rank.values(), key=lambda f: (f.order, f.replica))
-
-
-# torchrun's C++ stack frames and banners after a worker died: they push the worker's own
-# last words (its exception, the watchdog's thread dump) out of any fixed-size tail
-_NOISE = re.compile(r"^(frame #\d+:|Exception raised from |=+$|\[W\d+ |\s*\^+$)")
-
-
-def log_tail(lines: list[str], n: int) -> list[str]:
-    """The last `n` meaningful lines; a watchdog's thread dump is kept whole (capped at 3n)
-    because the stacks are the one thing that explains a hang."""
-    kept = [ln for ln in lines if not _NOISE.match(ln)]
-    dump = next((i for i in range(len(kept) - 1, -1, -1) if "watchdog: no training progress" in kept[i]), None)
-    if dump is None:
-        return kept[-n:]
-    end = dump + 3 * n
-    return kept[dump:end] + (["..."] if len(kept) > end else []) + kept[max(end, len(kept) - n) :]
-
-
-def root_cause(lines: list[str]) -> str | None:
-    """The worker's own exception line (`SomeError: message`), not torchrun's wrapper."""
-    for line in reversed(lines):
-        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
-        if m and m.group(1) not in ("ChildFailedError",):
-            return f"{m.group(1)}: {m.group(2).strip()}"
-    return None
-
-
-def _failing_replica(status) -> int | None:
-    return next(iter(_failed_replicas(status)), None)
-
-
-def _failed_replicas(status) -> list[int]:
-    if status is None:
-        return []
-    return [r.id for role in status.roles for r in role.replicas if r.state.name == "FAILED"]
+    raise LaunchError(describe_failure(name, status, tails, tail_lines, failures))

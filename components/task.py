@@ -1,25 +1,22 @@
 """The opening every KFP component shares: `with stage_task(NAME, group=dict, ...) as task:`
 sets up logging, gives the task a directory of its own under `liftoff run` (as its pod has),
 checks the groups it was handed as the CLI checks them (a UI-edited run included) and opens
-the store on first use; on leaving the block it prints the stage's own compute time as one
-`compute_line`, which benchmarks/pipeline_overhead.py reads (with `STAGE_LINE`, from here)."""
+the store on first use; on leaving the block it hands back the stage's own compute time as a
+`compute` event (benchmarks/pipeline_overhead.py reads it), or the exception it ended with as a
+`failed` event (what `liftoff run` prints of a failed stage)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from components import events
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-STAGE_LINE = re.compile(r"liftoff-stage ([\w-]+) compute_s=([\d.]+)")
-
-
-def compute_line(name: str, seconds: float) -> str:
-    return f"liftoff-stage {name} compute_s={seconds:.3f}"
 
 
 @dataclass
@@ -34,6 +31,14 @@ class Task:
         return open_store(self.groups["store"])
 
 
+def input_ref(artifact) -> str:
+    """The store reference an upstream stage's artifact points at (its file is `{"ref": ...}`)."""
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(artifact.path).read_text())["ref"]
+
+
 @contextlib.contextmanager
 def stage_task(name: str, directory: str | None = None, **groups: dict) -> Iterator[Task]:
     """`name`: the stage as benchmarks count it; `directory`: its task directory (a shard's own)."""
@@ -42,7 +47,10 @@ def stage_task(name: str, directory: str | None = None, **groups: dict) -> Itera
 
     started = time.perf_counter()  # the stage's own work, after its imports (those are overhead)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    enter_task_directory(directory or name)  # under `liftoff run`: a directory of its own
-    task = Task(name, checked_groups(**groups))
-    yield task
-    print(compute_line(name, time.perf_counter() - started), flush=True)
+    try:
+        enter_task_directory(directory or name)  # under `liftoff run`: a directory of its own
+        yield Task(name, checked_groups(**groups))
+    except BaseException as e:
+        events.emit("failed", stage=name, **events.failure_fields(e))
+        raise
+    events.emit("compute", stage=name, seconds=round(time.perf_counter() - started, 3))

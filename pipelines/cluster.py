@@ -43,7 +43,8 @@ def refuse_unrunnable(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from components.config import ConfigError, Scheduler, StoreBackend
-    from components.preflight import plan as planner
+    from components.preflight.plan import fits
+    from components.preflight.plan_config import plan_for
 
     typed = OmegaConf.to_object(cfg)
     c, problems = typed.cluster, []
@@ -58,11 +59,11 @@ def refuse_unrunnable(cfg: DictConfig) -> None:
                 f"cluster.procs_per_node={c.procs_per_node} with cluster.gpu={c.gpu}: training runs one "
                 f"process per GPU; set cluster.procs_per_node={c.gpu} (or a cluster preset: experiment=h200-7b)"
             )
-    p, device = planner.plan_for(typed)
+    p, device = plan_for(typed)
     # on Kubernetes with no device known (gpu_type null, no device_memory_gb) the plan would be
     # judged against this workstation's RAM: preflight judges it against the measured device
     judged = c.scheduler != Scheduler.kubernetes or c.gpu_type or typed.preflight.device_memory_gb
-    if judged and not planner.fits(p, device.memory_gb, typed.preflight.memory_safety):
+    if judged and not fits(p, device.memory_gb, typed.preflight.memory_safety):
         budget = device.memory_gb * typed.preflight.memory_safety
         problems.append(
             f"the plan does not fit: {p.total_gb:.1f} GB per device > {budget:.1f} GB ({device.name}, "

@@ -1,8 +1,9 @@
 """What `liftoff run` shows while it runs: the capture of everything its processes print, the
-train stage's step lines, and each kfp.local task's start and end (pipelines/summary.py words
-them). Everything else the run prints (kfp.local's
-task logs, every replica's lines, C++ and library output of the processes it starts) goes to
-the run's log file, and with `-v` to the terminal as well."""
+lines it words from the typed events they hand back (components/events.py: what trains, its
+steps, a relaunch after a failure, the exception a stage ended with), and each kfp.local
+task's start and end (pipelines/summary.py words them). Everything else the run prints
+(kfp.local's task logs, every replica's log lines, C++ and library output of the processes it
+starts) goes to the run's log file, and with `-v` to the terminal as well."""
 
 from __future__ import annotations
 
@@ -16,17 +17,39 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from components import events
+from components.events import Event
+
 _SYNC = b"\x00liftoff-sync\n"  # written through the captured stream: everything before it has been read
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-# lines a stage's own processes print that the quiet output keeps: what trains, its steps,
-# a relaunch after a failure
-_SHOWN = re.compile(
-    r"rank0 INFO [\w.]+: ((?:training on |step \d+/\d+ ).*)$|WARNING\]?:? ?(?:[\w.]+: )?(\S+ failed \(attempt .*)$"
-)
 
 
 def plain(text: str) -> str:
     return _ANSI.sub("", text)
+
+
+def shown(event: Event) -> str | None:
+    """The line the quiet output shows for an event (None: not shown)."""
+    f = event.fields
+    if event.kind == "training":
+        how = f"fp8 ({f['fp8_recipe']}) in {f['float8_linear']} Float8Linear" if f["float8_linear"] else f["precision"]
+        blocks = f"{f['activation_checkpointed']}/{f['blocks']} blocks checkpointed, {f['compiled']} compiled"
+        where = f"{f['nodes']} node(s) x {f['procs_per_node']} process(es) on {f['device']}"
+        return f"{where}: {how}; {blocks}; {f['wrapper']}"
+    if event.kind == "step":
+        mfu = f"  MFU {f['mfu']:.1%}" if f.get("mfu") is not None else ""
+        left = round(f["eta_s"])
+        eta = f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}"
+        tokens = f"{f['tokens_per_s']:,.0f} tokens/s{mfu}  {f['peak_memory_gib']:.2f} GiB"
+        return f"step {f['step']}/{f['steps']}  loss {f['loss']:.4f}  {tokens}  {f['step_s']:.3f} s/step  ETA {eta}"
+    if event.kind == "relaunch":
+        return f"{f['job']} failed (attempt {f['attempt']} of {f['attempts']}); relaunching: {f['cause']}"
+    return None
+
+
+def shown_lines(lines: list[str]) -> list[str]:
+    """What the quiet output shows of a run's captured lines (as `Console` shows them live)."""
+    return [text for e in events.events(lines) if (text := shown(e)) is not None]
 
 
 class Console:
@@ -114,10 +137,12 @@ class Console:
                         os.write(self._terminal, raw if self._tty else clean.encode())
                     except BrokenPipeError:
                         self._reader_gone = True
-        if (m := _SHOWN.search(line)) and (step := re.match(r"step (\d+)/", m.group(1) or "")):
-            self.last_step = int(step.group(1))
-        if m and not self.verbose:
-            self.say("      " + (m.group(1) or m.group(2)))
+        if (event := events.parse(line)) is None:
+            return
+        if event.kind == "step":
+            self.last_step = int(event["step"])
+        if not self.verbose and (text := shown(event)) is not None:
+            self.say("      " + text)
 
     def sync(self) -> list[str]:
         """Wait until the reader has taken everything written so far; the lines since the last sync."""
@@ -196,25 +221,10 @@ def watch_stages(on_start: Callable[[str], None], on_end: Callable[[StageEnd, li
 
 
 def failure_cause(lines: list[str]) -> str | None:
-    """The exception a stage raised, from the traceback in its log: `Type: message`, a
-    message's bullet lines joined on, the launcher's log tail left off."""
-    lines = [ln[4:] if ln.startswith("    ") else ln for ln in lines]  # kfp.local indents a task's output
-    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Traceback (most recent")), None)
-    if start is None:
-        return None
-    header = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), None)
-    if header is None:
-        return None
-    kind, _, message = lines[header].partition(": ")
-    text = f"{kind.rsplit('.', 1)[-1]}: {message}".rstrip()
-    bullets = []
-    for ln in lines[header + 1 :]:
-        if not ln.startswith("- "):
-            break
-        bullets.append(ln[2:].strip())
-    if bullets and text.endswith(":"):
-        text += " " + "; ".join(bullets)
-    return re.sub(r";?\s*last log lines:$", "", text)
+    """The exception a stage ended with, `Type: message`, from the `failed` event its
+    stage_task handed back (the last, should a task's output hold several)."""
+    failed = events.events(lines, "failed")
+    return f"{failed[-1]['type']}: {failed[-1]['message']}" if failed else None
 
 
 def display_path(path: Path) -> str:

@@ -5,10 +5,10 @@ lineage, metrics and where the reports are."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from pathlib import Path
 
+from components import summaries
 from components.train.prometheus import node_port
 from pipelines.progress import StageEnd, display_path
 
@@ -56,68 +56,16 @@ def _meta(outputs: dict, name: str) -> dict:
     return dict(getattr(outputs.get(name), "metadata", None) or {})
 
 
-def stage_result(end: StageEnd, cfg) -> str:
-    """What a stage that succeeded produced, from its KFP outputs."""
-    out = end.outputs
-    if end.name == "tokenize":
-        d = _meta(out, "dataset")
-        reused = ", found in the store" if d.get("reused") else ""
-        blocks = f"{d.get('train_blocks', 0):,.0f} train / {d.get('val_blocks', 0):,.0f} val blocks"
-        return f"{d.get('ref')}: {blocks}{reused}"
-    if end.name == "preflight":
-        m = _meta(out, "metrics")
-        nodes = len({k.split("_", 1)[0] for k in m if re.match(r"node\d+_", k)})
-        device = cfg.preflight.device_memory_gb or min(v for k, v in m.items() if k.endswith("_device_memory_gb"))
-        budget = device * cfg.preflight.memory_safety
-        plan = f"plan {m.get('plan_total_gb', 0):.3g} GB per device of a {budget:.3g} GB budget"
-        return f"{m.get('healthy_nodes', 0):.0f}/{nodes} nodes healthy, {plan}"
-    if end.name == "train":
-        m = _meta(out, "metrics")
-        return (
-            f"{_meta(out, 'trained_model').get('continued', 'fresh')}; "
-            f"loss {m.get('initial_loss', float('nan')):.2f} -> {m.get('final_loss', float('nan')):.2f}, "
-            f"{m.get('tokens_per_s', 0):,.0f} tokens/s, peak {m.get('peak_memory_gb', 0):.2f} GB, {out.get('Output')}"
-        )
-    if end.name == "validate":
-        checks = {k: v for k, v in _meta(out, "verdict").items() if k.startswith("check_")}
-        return f"{sum(v == 1.0 for v in checks.values())}/{len(checks)} checks passed"
-    if end.name == "evaluate":
-        m = _meta(out, "metrics")
-        return f"val loss {m.get('val_loss', float('nan')):.4f}, perplexity {m.get('val_perplexity', float('nan')):.2f}"
-    return ""
+def stage_result(end: StageEnd) -> str:
+    """What a stage that succeeded produced: the typed summary it put in its outputs."""
+    found = summaries.find(end.outputs)
+    return found.line() if found is not None else "(no summary)"
 
 
-def verdict_table(outputs: dict, precision: str) -> list[str]:
-    """Preflight's verdict, one row per node: its health and the benchmarks it was judged by
-    (GEMM in the training precision), then why each unhealthy node is."""
-    import json
-
-    m = _meta(outputs, "metrics")
-    verdict_file = getattr(outputs.get("verdict"), "path", None)
-    verdict = json.loads(Path(verdict_file).read_text()) if verdict_file and Path(verdict_file).is_file() else {}
-    names = {int(n.rsplit("#", 1)[1]): n for n in [*verdict.get("healthy", []), *verdict.get("unhealthy", {})]}
-    ranks = sorted({int(k[4:].split("_", 1)[0]) for k in m if re.match(r"node\d+_", k)})
-    gemm = f"gemm_tflops_{precision}" if any(k.endswith(f"_gemm_tflops_{precision}") for k in m) else "gemm_tflops_"
-    columns = [(gemm, f"{gemm[12:] or 'gemm'} TFLOP/s"), ("membw_gbps", "mem GB/s")]
-    columns += [("allreduce_busbw_gbps_", "busbw GB/s")]
-    columns += [("device_memory_gb", "memory GB")]
-    rows = [["node", "verdict", *(label for _, label in columns)]]
-    for r in ranks:
-        mine = {k.split("_", 1)[1]: v for k, v in m.items() if k.startswith(f"node{r}_")}
-        cells = []
-        for prefix, _ in columns:  # the first gemm dtype, the largest all-reduce message
-            keys = sorted((k for k in mine if k.startswith(prefix)), key=lambda k: _size_of(k))
-            cells.append(f"{mine[keys[-1] if prefix.startswith('allreduce') else keys[0]]:.4g}" if keys else "-")
-        health = "UNHEALTHY" if names.get(r) in verdict.get("unhealthy", {}) else "healthy"
-        rows.append([names.get(r, f"rank {r}"), health, *cells])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return table + [f"{node}: {'; '.join(why)}" for node, why in verdict.get("unhealthy", {}).items()]
-
-
-def _size_of(key: str) -> float:
-    m = re.search(r"_([\d.]+)mb$", key)
-    return float(m.group(1)) if m else 0.0
+def verdict_table(end: StageEnd) -> list[str]:
+    """Preflight's verdict, one row per node, then why each unhealthy node is."""
+    found = summaries.find(end.outputs)
+    return found.table() if isinstance(found, summaries.PreflightSummary) else []
 
 
 class StageLines:
@@ -154,8 +102,7 @@ class StageLines:
             self.say(f"      failed after {end.seconds:.1f} s")
             return
         try:
-            detail = stage_result(end, self.cfg)
-            table = verdict_table(end.outputs, _value(self.cfg.train.precision)) if end.name == "preflight" else []
+            detail, table = stage_result(end), verdict_table(end)
         except (KeyError, ValueError, TypeError, OSError) as e:  # a status line never fails a run
             detail, table = f"(no summary: {e})", []
         self.say(f"      {'cached' if end.cached else 'ok'} {end.seconds:.1f} s, {detail}")
@@ -219,7 +166,7 @@ def summary_lines(result: dict) -> list[str]:
     lines += [f"  {name}: {value:.6g}" for name, value in result["metrics"].items()]
     train = result["stages"].get("train")
     if train is not None and train.ok:
-        lines.append(f"train: {stage_result(train, result['cfg'])}")
+        lines.append(f"train: {stage_result(train)}")
     files, folder = result["files"], result["folder"]
     for name in ("train_curves.html", "preflight.html" if "preflight.html" in files else "preflight.md"):
         if name in files:

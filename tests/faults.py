@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from components.launcher import PLUGIN_ARGS_ENV, PLUGIN_ENV
+from components.worker_side import PLUGIN_ARGS_ENV, PLUGIN_ENV
 
 FAULTS_ENV = PLUGIN_ARGS_ENV
 RAISED_VERSION = "fault-injected-7c1e"  # in the message of raise_rank's NotFound

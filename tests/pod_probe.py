@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components.config import StoreConfig
-from components.launcher import WorkerSpec, worker_spec
+from components.worker_side import WorkerSpec, worker_spec
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.launcher import WorkerSpec, worker_spec
+from components.worker_side import WorkerSpec, worker_spec
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What the benchmarks measure, checked without running them: pipeline_overhead counts each
-task's work from the `liftoff-stage NAME compute_s=...` line the components print (every name a
-component prints must be matched, or its work becomes overhead); train_overhead's timed window
+task's work from the `compute` event each component's stage_task hands back (every name a
+component opens its stage_task with must be known, or its work becomes overhead); train_overhead's timed window
 holds liftoff's checkpoint saves."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import train_overhead
-from benchmarks.pipeline_overhead import PARALLEL, SEQUENTIAL, STAGE_LINE, stage_work
+from benchmarks.pipeline_overhead import PARALLEL, SEQUENTIAL, stage_work
 from components.config import compose
-from components.task import compute_line
 from tests.conftest import CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,15 +30,17 @@ def printed_stage_names() -> list[str]:
 def test_the_benchmark_expects_exactly_the_stages_the_components_report():
     names = printed_stage_names()
     assert sorted(set(names)) == sorted({*SEQUENTIAL, PARALLEL}), names
-    for name in names:  # the line as printed (indented under `liftoff run -v`) matches, whole name and number
-        assert STAGE_LINE.findall(f"    [task] {compute_line(name, 12.345)}\n") == [(name, "12.345")]
 
 
 def run_output(shards: list[float]) -> str:
-    lines = ["    liftoff-stage tokenize-plan compute_s=2.000"]
-    lines += [f"    liftoff-stage tokenize-shard compute_s={s:.3f}" for s in shards]
-    lines += ["    liftoff-stage tokenize-merge compute_s=0.500", "liftoff-stage preflight compute_s=10.000"]
-    lines += [f"liftoff-stage {n} compute_s=1.000" for n in ("train", "validate", "evaluate")]
+    """A run's output as stage_task writes its events (indented, as under `liftoff run -v`)."""
+    from components.events import line
+
+    lines = ["    " + line("compute", stage="tokenize-plan", seconds=2.0)]
+    lines += [f"    [task] {line('compute', stage='tokenize-shard', seconds=s)}" for s in shards]
+    lines += ["    " + line("compute", stage="tokenize-merge", seconds=0.5)]
+    lines += [line("compute", stage="preflight", seconds=10)]
+    lines += [line("compute", stage=n, seconds=1.0) for n in ("train", "validate", "evaluate")]
     return "\n".join(["11:43:43.195 - INFO - Executing task 'tokenize-plan'", *lines, "done"])
 
 

@@ -243,3 +243,88 @@ def test_the_project_refers_to_nothing_outside_its_clone():
 def test_the_quickstart_is_the_readmes_first_section():
     sections = re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), flags=re.M)
     assert sections and sections[0].lower().startswith("quickstart"), sections[:3]
+
+
+REGEX_CALLS = {"compile", "search", "match", "fullmatch", "findall", "finditer", "sub", "subn", "split"}
+LEVELS = {"debug": "DEBUG", "info": "INFO", "warning": "WARNING", "error": "ERROR", "exception": "ERROR"}
+PRINTS = {"print", "say", "write"}
+
+
+def _text(node: ast.expr) -> str | None:
+    """A string expression as it reads with its values filled in (`%s`, `{x}` -> 7)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return re.sub(r"%[-\d.]*[sdfgr]", "7", node.value)
+    if isinstance(node, ast.JoinedStr):
+        return "".join(p.value if isinstance(p, ast.Constant) else "7" for p in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mod)):
+        left = _text(node.left)
+        right = _text(node.right) if isinstance(node.op, ast.Add) else ""
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _as_logged(path: Path, level: str | None, text: str) -> list[str]:
+    """A text as its line reads in a log: bare, and under the log formats of the stages'
+    processes (components/task.py's and the replicas', components/launcher.py's)."""
+    if level is None:
+        return [text]
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts) if path.is_relative_to(ROOT) else path.stem
+    stamp = "2026-12-03 12:00:00,000"
+    return [text, f"{stamp} {level} {module}: {text}", f"[0]:{stamp} rank0 {level} {module}: {text}"]
+
+
+def _regexes_and_log_texts(path: Path) -> tuple[list[str], list[str]]:
+    """The regex literals a module matches with (`re.*` calls), and the lines it logs, prints
+    or raises (an exception's message is printed with its traceback) as they read."""
+    regexes, texts = [], []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            node = ast.Call(func=ast.Name("print"), args=node.exc.args[:1], keywords=[])
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        owner = getattr(func, "value", None)
+        if name in REGEX_CALLS and isinstance(owner, ast.Name) and owner.id == "re":
+            if (pattern := _text(node.args[0])) is not None:
+                regexes.append(pattern)
+        elif name in {*LEVELS, *PRINTS} and (said := _text(node.args[0])) is not None and " " in said.strip():
+            texts += _as_logged(path, LEVELS.get(name), said)
+    return regexes, texts
+
+
+def _words(pattern: str) -> list[str]:
+    """The literal words a regex matches (a text contract has some; a sanitiser, `[^\\w.]`, none)."""
+    bare = re.sub(r"\(\?P?<[^>]*>|\(\?[:=!]|\\[A-Za-z]|\[(?:\\.|[^\]])*\]|\{[\d,]*\}", " ", pattern)
+    return re.findall(r"[A-Za-z]{3,}", bare)
+
+
+def test_no_module_matches_another_modules_log_text():
+    """What a stage hands back travels typed (components/events.py, components/summaries.py):
+    no regex in pipelines/ or components/ matches a line another of their modules logs, prints
+    or raises, so rewording a log line changes what people read and nothing a program does."""
+    scanned = {p: _regexes_and_log_texts(p) for p in _sources("components", "pipelines")}
+    assert sum(len(texts) for _, texts in scanned.values()) > 300  # the scan sees the log calls
+    crossing = sorted(
+        {
+            f"{reader.relative_to(ROOT)}: {pattern!r} matches {writer.relative_to(ROOT)}'s {text!r}"
+            for reader, (patterns, _) in scanned.items()
+            for pattern in patterns
+            if _words(pattern)
+            for writer, (_, texts) in scanned.items()
+            if writer != reader
+            for text in texts
+            if re.search(pattern, text)
+        }
+    )
+    assert not crossing, "\n".join(crossing)
+
+
+def test_the_log_text_scan_finds_a_regex_on_another_modules_line(tmp_path):
+    """The scan above on a contract issue 26 removed: the CLI matched the launcher's relaunch warning."""
+    (tmp_path / "launcher.py").write_text('log.warning("%s failed (attempt %d of %d); relaunching: %s", a, b, c, d)\n')
+    (tmp_path / "progress.py").write_text(
+        'm = re.search(r"WARNING\\]?:? ?(?:[\\w.]+: )?(\\S+ failed \\(attempt .*)$", s)\n'
+    )
+    ((pattern,), _) = _regexes_and_log_texts(tmp_path / "progress.py")
+    assert any(re.search(pattern, text) for text in _regexes_and_log_texts(tmp_path / "launcher.py")[1])

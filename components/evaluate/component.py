@@ -11,17 +11,19 @@ def evaluate(
     validated_model: Input[Model], eval: dict, store: dict, metrics: Output[Metrics], report: Output[HTML]
 ) -> str:
     """Returns the evaluation's reference in the store."""
-    import json
     from pathlib import Path
 
+    from components import summaries
     from components.evaluate.stage import run_evaluate
-    from components.task import stage_task
+    from components.task import input_ref, stage_task
 
-    model_ref = json.loads(Path(validated_model.path).read_text())["ref"]
+    model_ref = input_ref(validated_model)
     with stage_task("evaluate", eval=eval, store=store) as task:
         result = run_evaluate(model_ref, task.groups["eval"], task.store)
     for name, value in result.metrics.items():
         metrics.log_metric(name, float(value))
     Path(report.path).write_text(result.html)  # the UI's copy; kfp.local names it `report`, no extension
     report.metadata.update({"ref": str(result.manifest.ref), "report_html": str(result.report_path)})
+    m = result.metrics
+    summaries.attach(report, summaries.EvaluateSummary(m["val_loss"], m["val_perplexity"]))
     return str(result.manifest.ref)

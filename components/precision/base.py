@@ -73,6 +73,11 @@ class Recipe:
         b = torch.randn(size, size, device=device, dtype=dtype)
         return lambda: torch.mm(a, b)
 
+    def describe(self, model: torch.nn.Module, train: TrainConfig) -> dict:
+        """What this recipe made of the live model, read off it: its low-precision modules by
+        qualified name, their cast configurations, and the recipe in words (`said`)."""
+        return {"float8_linear_modules": [], "float8_cast_configs": [], "said": train.precision.value}
+
     def supported(self, device: torch.device) -> bool:
         try:
             self.check_device(device)

@@ -116,6 +116,11 @@ class FP8(BF16):
             for m in converted:
                 m.register_forward_pre_hook(_cast_input_to_bf16)
 
+    def describe(self, model: torch.nn.Module, train: TrainConfig) -> dict:
+        modules = float8_modules(model)
+        said = f"fp8 ({train.fp8_recipe.value}) in {len(modules)} Float8Linear, bf16 elsewhere"
+        return {"float8_linear_modules": modules, "float8_cast_configs": float8_cast_configs(model), "said": said}
+
     def fsdp_float8_all_gather(self, train: TrainConfig) -> bool:
         """FSDP all-gathers the Float8Linear weights in fp8: only dynamic tensorwise scales can
         be computed once for the whole weight before the all-gather, and only a process group

@@ -1,4 +1,6 @@
-"""Per-node measurements: GEMM TFLOP/s per dtype, memory bandwidth, all-reduce, host facts."""
+"""Per-node measurements: GEMM TFLOP/s per dtype, memory bandwidth, all-reduce, host facts;
+the names they are recorded under in a node's record (nodes.json, the KFP metrics) and the
+typed view of a record, `NodeMeasurement`, which everything that reads a record goes through."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import resource
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +18,41 @@ import torch.distributed as dist
 
 from components.precision import Recipe
 from components.preflight.plan import host_memory_gb
+
+GEMM = "gemm_tflops_"  # + the precision recipe's name
+BUSBW = "allreduce_busbw_gbps"  # + _<MB>mb per message size
+
+
+def gemm_key(dtype: str) -> str:
+    return GEMM + dtype
+
+
+def busbw_key(mb: float) -> str:
+    return f"{BUSBW}_{mb:g}mb"
+
+
+@dataclass(frozen=True)
+class NodeMeasurement:
+    """One device's benchmark figures, typed, from its record."""
+
+    rank: int
+    host: str
+    gemm_tflops: dict[str, float]  # by precision recipe
+    membw_gbps: float | None
+    busbw_gbps: dict[float, float]  # by all-reduce message size, MB
+    device_memory_gb: float | None
+
+    @classmethod
+    def of(cls, record: dict) -> NodeMeasurement:
+        sizes = {mb: record[busbw_key(mb)] for mb in record.get("allreduce_sizes_mb", [])}
+        gemm = {k[len(GEMM) :]: float(v) for k, v in record.items() if k.startswith(GEMM)}
+        memory = record.get("device_memory_gb")
+        return cls(record["rank"], record["host"], gemm, record.get("membw_gbps"), sizes, memory)
+
+    @property
+    def largest_busbw_gbps(self) -> float | None:
+        """The largest message's bus bandwidth: the bandwidth-bound one (what floors and the plan use)."""
+        return self.busbw_gbps[max(self.busbw_gbps)] if self.busbw_gbps else None
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -43,16 +81,16 @@ def memory_bandwidth_gbps(megabytes: int, iters: int, device: torch.device) -> f
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
-def allreduce_busbw(sizes_mb: list[float], device: torch.device, iters: int = 5) -> dict[str, float]:
+def allreduce_busbw(sizes_mb: list[float], device: torch.device, iters: int = 5) -> dict:
     """All-reduce bus bandwidth per message size (nccl-tests: busbw = algbw x 2(n-1)/n) and
-    the latency of an 8-byte all-reduce."""
+    the latency of an 8-byte all-reduce, as a node's record holds them."""
     world = dist.get_world_size()
-    out = {}
+    out: dict = {"allreduce_sizes_mb": [float(mb) for mb in sizes_mb]}
     for mb in sizes_mb:
         t = torch.ones(max(1, int(mb * (1 << 20) / 4)), device=device)
         seconds = _timed(lambda t=t: dist.all_reduce(t), iters, device)
         algbw = t.numel() * 4 / seconds / 1e9
-        out[f"allreduce_busbw_gbps_{mb:g}mb"] = algbw * 2 * (world - 1) / world if world > 1 else algbw
+        out[busbw_key(mb)] = algbw * 2 * (world - 1) / world if world > 1 else algbw
     small = torch.ones(2, device=device)
     out["allreduce_latency_us"] = _timed(lambda: dist.all_reduce(small), 20, device) * 1e6
     return out

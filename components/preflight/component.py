@@ -23,26 +23,28 @@ def preflight(
     import json
     from pathlib import Path
 
-    from components.preflight.stage import gate, report_markdown, run_preflight
-    from components.task import stage_task
+    from components import summaries
+    from components.preflight.stage import gate, report_markdown, run_preflight, summary
+    from components.task import input_ref, stage_task
 
     with stage_task("preflight", model=model, train=train, preflight=preflight, cluster=cluster, store=store) as t:
         g, cfg = t.groups, t.groups["preflight"]
-        ref = json.loads(Path(dataset.path).read_text())["ref"]
+        ref = input_ref(dataset)
         result = run_preflight(ref, g["model"], g["train"], g["cluster"], cfg, g["store"], t.store)
-    for node in result.nodes:
-        for key, value in node.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "rank":
-                metrics.log_metric(f"node{node['rank']}_{key}", float(value))
-    for key, value in result.plan.as_dict().items():
-        if value is not None:
-            metrics.log_metric(f"plan_{key}", float(value))
-    metrics.log_metric("healthy_nodes", float(len(result.healthy)))
-    metrics.log_metric("preflight_seconds", result.seconds)
-    Path(report.path).write_text(report_markdown(result, cfg))  # the UI's; the store has it as HTML too
-    report.metadata.update({"report_html": str(result.report_path)})
-    gate(result, cfg)  # raises: no verdict, so train cannot start
-    passed = {"passed": True, "dataset": dataset.metadata.get("ref"), "healthy": result.healthy}
-    excluded = {"unhealthy": result.unhealthy, "excluded_hosts": result.excluded_hosts}  # train stays off these
-    Path(verdict.path).write_text(json.dumps({**passed, **excluded}, indent=2))
-    verdict.metadata.update({"passed": True, "excluded_nodes": sorted(result.unhealthy)})
+        for node in result.nodes:
+            for key, value in node.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "rank":
+                    metrics.log_metric(f"node{node['rank']}_{key}", float(value))
+        for key, value in result.plan.as_dict().items():
+            if value is not None:
+                metrics.log_metric(f"plan_{key}", float(value))
+        metrics.log_metric("healthy_nodes", float(len(result.healthy)))
+        metrics.log_metric("preflight_seconds", result.seconds)
+        Path(report.path).write_text(report_markdown(result, cfg))  # the UI's; the store has it as HTML too
+        report.metadata.update({"report_html": str(result.report_path)})
+        gate(result, cfg)  # raises (inside the task: its `failed` event): no verdict, so train cannot start
+        passed = {"passed": True, "dataset": dataset.metadata.get("ref"), "healthy": result.healthy}
+        excluded = {"unhealthy": result.unhealthy, "excluded_hosts": result.excluded_hosts}  # train stays off these
+        Path(verdict.path).write_text(json.dumps({**passed, **excluded}, indent=2))
+        verdict.metadata.update({"passed": True, "excluded_nodes": sorted(result.unhealthy)})
+        summaries.attach(verdict, summary(result, cfg, g["train"].precision))

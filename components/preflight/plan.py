@@ -1,4 +1,6 @@
 """The planner: memory per device, FLOPs, step time, tokens/s and MFU for a config, no hardware needed.
+A composed config's plan, its device and the changes that make it fit: `plan_config.py`; what
+`liftoff plan` prints: `plan_format.py`.
 
 Formulas (N = parameters, W = data-parallel world size, s = seq len, b = micro batch,
 h = hidden, L = layers, a = heads):
@@ -46,7 +48,7 @@ h = hidden, L = layers, a = heads):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from components.config import ModelConfig, Parallelism, TrainConfig
 from components.model_math import host_memory_bytes, mfu, param_tensors, planned_flops_per_token
@@ -204,34 +206,6 @@ def plan(
     )
 
 
-def format_plan(p: Plan, device_memory_gb: float, safety: float) -> str:
-    rows = [
-        ("parameters", f"{p.params:,}"),
-        ("world size", str(p.world)),
-        ("weights", f"{p.weights_gb:.3f} GB"),
-        ("gradients", f"{p.grads_gb:.3f} GB"),
-        ("AdamW state", f"{p.optimizer_gb:.3f} GB"),
-        ("precision copies", f"{p.precision_copies_gb:.3f} GB"),
-        ("activations", f"{p.activations_gb:.3f} GB"),
-        ("total per device", f"{p.total_gb:.3f} GB"),
-        ("budget per device", f"{device_memory_gb * safety:.3f} GB ({device_memory_gb:.1f} GB x {safety})"),
-        ("FLOPs per token", f"{p.flops_per_token:.4g}"
-         + (f" (+ {p.recompute_flops_per_token:.4g} recomputed)" if p.recompute_flops_per_token else "")),
-    ]  # fmt: skip
-    if p.step_time_s is not None:
-        rows += [
-            ("step time", f"{p.step_time_s:.4g} s (compute {p.compute_s:.4g} s, comm {p.comm_s:.4g} s, no overlap)"),
-            ("tokens/s", f"{p.tokens_per_s:,.0f}"),
-            ("MFU", f"{p.mfu:.1%}"),
-        ]
-    return _rows(rows)
-
-
-def _rows(rows: list[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
 def fits(p: Plan, device_memory_gb: float, safety: float) -> bool:
     return p.total_gb <= device_memory_gb * safety
 
@@ -240,205 +214,3 @@ def host_memory_gb() -> float:
     """This machine's RAM: a CPU "device"'s memory."""
 
     return host_memory_bytes() / 1e9
-
-
-@dataclass
-class PlanDevice:
-    """What a config's plan is judged and timed against, and where each figure comes from."""
-
-    name: str
-    memory_gb: float
-    memory_source: str
-    peak_tflops: float | None
-    peak_source: str
-    busbw_gbps: float | None
-    busbw_source: str
-
-
-def plan_device(cfg) -> PlanDevice:
-    """Device memory: `preflight.device_memory_gb`, else the device table by `cluster.gpu_type`,
-    else this host's RAM. Peak: `train.peak_tflops`, else the table's dense bf16 peak. Bus
-    bandwidth: the table's assumption for one node or for the network across nodes."""
-    from components.devices import busbw_gbps, device
-
-    gpu = cfg.cluster.gpu_type
-    spec = device(gpu) if gpu else None
-    table = f"cluster.gpu_type={gpu} (components/devices.py)"
-    if cfg.preflight.device_memory_gb:
-        memory, memory_source = cfg.preflight.device_memory_gb, "preflight.device_memory_gb"
-    elif spec:
-        memory, memory_source = spec.memory_gb, table
-    else:
-        memory, memory_source = host_memory_gb(), "this host's RAM (cluster.gpu_type is null)"
-    if cfg.train.peak_tflops:
-        peak, peak_source = cfg.train.peak_tflops, "train.peak_tflops"
-    elif spec:
-        peak, peak_source = spec.peak_tflops["bf16"], f"dense bf16, {table}"
-    else:
-        peak, peak_source = None, "unknown: set cluster.gpu_type or train.peak_tflops for step time and MFU"
-    nodes, world = cfg.cluster.nodes, cfg.cluster.nodes * cfg.cluster.procs_per_node
-    if world == 1:
-        busbw, busbw_source = None, "one device: no communication"
-    elif spec:
-        link = "NVLink within one node" if nodes == 1 else "the network across nodes"
-        busbw, busbw_source = busbw_gbps(spec, nodes), f"assumed, {link} ({gpu}, components/devices.py)"
-    else:
-        busbw, busbw_source = None, "unknown without cluster.gpu_type: communication left out"
-    return PlanDevice(gpu or "this host", memory, memory_source, peak, peak_source, busbw, busbw_source)
-
-
-def plan_for(cfg) -> tuple[Plan, PlanDevice]:
-    """The plan for a composed config, without any hardware, and the device it is judged against."""
-    vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
-    world = cfg.cluster.nodes * cfg.cluster.procs_per_node
-    d = plan_device(cfg)
-    p = plan(
-        cfg.model,
-        cfg.train,
-        world,
-        cfg.data.seq_len,
-        vocab,
-        tflops=d.peak_tflops,
-        peak_tflops=d.peak_tflops,
-        busbw_gbps=d.busbw_gbps,
-    )
-    return p, d
-
-
-def seq_len_source(overrides: list[str]) -> str:
-    """Who set data.seq_len: an override, the experiment preset, or the data group."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from components.config import CONF_DIR
-
-    given = dict(o.lstrip("+~").split("=", 1) for o in overrides if "=" in o)
-    if "data.seq_len" in given:
-        return "data.seq_len, your override"
-    defaults = [d for d in OmegaConf.load(CONF_DIR / "config.yaml").defaults if isinstance(d, DictConfig)]
-    chosen = {**{k: v for d in defaults for k, v in d.items()}, **given}
-    preset = CONF_DIR / "experiment" / f"{chosen.get('experiment')}.yaml"
-    if preset.is_file() and "seq_len" in (OmegaConf.load(preset).get("data") or {}):
-        return f"data.seq_len, set by experiment={chosen['experiment']}"
-    return f"data.seq_len, data={chosen.get('data')}"
-
-
-def global_batch(cfg) -> int:
-    return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.cluster.nodes * cfg.cluster.procs_per_node
-
-
-def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
-    t, c = cfg.train, cfg.cluster
-    ac = f"on, every {t.ac_every_n_blocks} block(s)" if t.activation_checkpointing else "off"
-    fp8 = f" ({t.fp8_recipe.value})" if t.precision.value == "fp8" else ""
-    busbw = f"{d.busbw_gbps:g} GB/s per GPU: " if d.busbw_gbps else ""
-    return _rows([
-        ("model", f"{cfg.model.name}: {p.params / 1e9:.3g}B parameters, max_seq_len {cfg.model.max_seq_len}"),
-        ("seq_len", f"{cfg.data.seq_len} ({seq_source})"),
-        ("micro batch", f"{t.micro_batch_size} (train.micro_batch_size)"),
-        ("grad accumulation", f"{t.grad_accum_steps} (train.grad_accum_steps)"),
-        ("world size", f"{p.world} ({c.nodes} nodes x {c.procs_per_node} procs)"),
-        ("global batch", f"{global_batch(cfg):,} sequences, {global_batch(cfg) * cfg.data.seq_len:,} tokens"),
-        ("precision", f"{t.precision.value}{fp8}"),
-        ("parallelism", t.parallelism.value),
-        ("activation ckpt", ac),
-        ("device", d.name),
-        ("device memory", f"{d.memory_gb:.1f} GB: {d.memory_source}"),
-        ("peak", f"{d.peak_tflops:g} TFLOP/s: {d.peak_source}" if d.peak_tflops else d.peak_source),
-        ("bus bandwidth", busbw + d.busbw_source),
-    ])  # fmt: skip
-
-
-def plan_warnings(cfg, seq_source: str) -> list[str]:
-    """Inputs that are likely not what a run of this model would use."""
-    found = []
-    s, full = cfg.data.seq_len, cfg.model.max_seq_len
-    if s < full / 8:
-        found.append(
-            f"seq_len {s} ({seq_source}) is under model.max_seq_len/8 = {full // 8}: "
-            f"model {cfg.model.name} trains at {full}; add data.seq_len={full} to plan at full length"
-        )
-    c = cfg.cluster
-    if c.gpu > c.procs_per_node:
-        found.append(
-            f"cluster.procs_per_node={c.procs_per_node} but cluster.gpu={c.gpu}: "
-            f"{c.gpu - c.procs_per_node} GPU(s) per node idle; cluster.procs_per_node={c.gpu} uses them all"
-        )
-    return found
-
-
-AC, PARALLELISM, MICRO_BATCH = "train.activation_checkpointing", "train.parallelism", "train.micro_batch_size"
-PROCS, NODES = "cluster.procs_per_node", "cluster.nodes"
-
-
-def with_changes(cfg, changes: dict):
-    """The config with `changes` ({"train.parallelism": Parallelism.fsdp, ...}) applied."""
-    groups = {}
-    for key, value in changes.items():
-        group, name = key.split(".")
-        groups.setdefault(group, {})[name] = value
-    return replace(cfg, **{g: replace(getattr(cfg, g), **values) for g, values in groups.items()})
-
-
-def _fits_with(cfg, changes: dict) -> bool:
-    p, d = plan_for(with_changes(cfg, changes))
-    return fits(p, d.memory_gb, cfg.preflight.memory_safety)
-
-
-def _candidates(cfg):
-    """Changes in order of cost, each adding to the last: activation checkpointing on, FSDP
-    instead of DDP, the micro batch halved down to 1, every GPU of a node used, then 2x, 4x,
-    8x and 16x the nodes."""
-    t, c, changes = cfg.train, cfg.cluster, {}
-    if not t.activation_checkpointing:
-        changes[AC] = True
-        yield dict(changes)
-    if t.parallelism != Parallelism.fsdp:
-        changes[PARALLELISM] = Parallelism.fsdp
-        yield dict(changes)
-    b = t.micro_batch_size
-    while b > 1:
-        b //= 2
-        changes[MICRO_BATCH] = b
-        yield dict(changes)
-    if c.gpu > c.procs_per_node:
-        changes[PROCS] = c.gpu
-        yield dict(changes)
-    for factor in (2, 4, 8, 16):
-        changes[NODES] = c.nodes * factor
-        yield dict(changes)
-
-
-def suggest(cfg) -> dict | None:
-    """The first candidate that fits, less the changes it does not need; None when none fits."""
-    found = next((changes for changes in _candidates(cfg) if _fits_with(cfg, changes)), None)
-    if found is None:
-        return None
-    for key in (AC, PARALLELISM, MICRO_BATCH, PROCS):
-        fewer = {k: v for k, v in found.items() if k != key}
-        if key in found and _fits_with(cfg, fewer):
-            found = fewer
-    return found
-
-
-def as_overrides(changes: dict) -> list[str]:
-    def text(v) -> str:
-        return str(v).lower() if isinstance(v, bool) else str(getattr(v, "value", v))
-
-    return [f"{k}={text(v)}" for k, v in changes.items()]
-
-
-def format_suggestion(cfg, changes: dict | None) -> str:
-    if changes is None:
-        return (
-            f"nothing fits up to {cfg.cluster.nodes * 16} nodes with activation checkpointing, FSDP and micro batch 1:"
-            " a smaller model or a shorter data.seq_len"
-        )
-    changed = with_changes(cfg, changes)
-    p, d = plan_for(changed)
-    budget = d.memory_gb * cfg.preflight.memory_safety
-    batch = global_batch(cfg), global_batch(changed)
-    batch_note = f", global batch {batch[0]:,} -> {batch[1]:,} sequences" if batch[0] != batch[1] else ""
-    return (
-        f"{' '.join(as_overrides(changes))}  ({p.world} devices, {p.total_gb:.2f} of {budget:.2f} GB per device"
-        f"{batch_note})"
-    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from components.config import PreflightConfig, StoreConfig
-from components.launcher import WorkerSpec
+from components.worker_side import WorkerSpec
 
 
 @dataclass(frozen=True)

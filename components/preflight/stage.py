@@ -22,10 +22,13 @@ from components.config import (
 )
 from components.launcher import Launch, replica_store, run_app
 from components.precision import recipe
-from components.preflight.plan import Plan, fits, format_plan, plan
+from components.preflight.bench import NodeMeasurement
+from components.preflight.plan import Plan, fits, plan
+from components.preflight.plan_format import format_plan
 from components.preflight.spec import PreflightSpec
 from components.preflight.verdict import NodeVerdict, floors_for, judge
 from components.store import ArtifactStore, Ref
+from components.summaries import NodeRow, PreflightSummary
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +61,37 @@ class PreflightResult:
         return sorted({v.host for v in self.verdicts if not v.healthy})
 
 
+def gemm_dtype(nodes: list[NodeMeasurement], precision: Precision) -> str:
+    """The GEMM that stands for the training precision: its own, bf16's where a node lacks it."""
+    name = recipe(precision).name
+    return name if all(name in n.gemm_tflops for n in nodes) else "bf16"
+
+
 def plan_inputs(nodes: list[dict], precision: Precision) -> tuple[float, float | None]:
     """Achieved TFLOP/s of the compute dtype (slowest node) and the largest message's bus bandwidth."""
-    key = f"gemm_tflops_{recipe(precision).name}"
-    if not all(key in n for n in nodes):
-        key = "gemm_tflops_bf16"
-    tflops = min(n[key] for n in nodes)
-    bw_keys = sorted(
-        (k for k in nodes[0] if k.startswith("allreduce_busbw_gbps_")),
-        key=lambda k: float(k.rsplit("_", 1)[1].rstrip("mb")),
-    )
-    return tflops, (min(n[bw_keys[-1]] for n in nodes) if bw_keys else None)
+    measured = [NodeMeasurement.of(n) for n in nodes]
+    dtype = gemm_dtype(measured, precision)
+    busbw = [n.largest_busbw_gbps for n in measured]
+    return min(n.gemm_tflops[dtype] for n in measured), (min(busbw) if None not in busbw else None)
+
+
+def summary(result: PreflightResult, cfg: PreflightConfig, precision: Precision) -> PreflightSummary:
+    """What `liftoff run` shows of the verdict: a row per node, the plan against the budget."""
+    measured = [NodeMeasurement.of(n) for n in result.nodes]
+    dtype = gemm_dtype(measured, precision)
+    rows = [
+        NodeRow(
+            f"{v.host}#{v.rank}",
+            v.healthy,
+            n.gemm_tflops.get(dtype),
+            n.membw_gbps,
+            n.largest_busbw_gbps,
+            n.device_memory_gb,
+            list(v.reasons),
+        )
+        for n, v in zip(measured, result.verdicts, strict=True)
+    ]
+    return PreflightSummary(rows, dtype, result.plan.total_gb, result.device_memory_gb * cfg.memory_safety)
 
 
 def report_markdown(result: PreflightResult, cfg: PreflightConfig) -> str:

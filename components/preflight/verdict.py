@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
 from components.config import PERF_METRICS, PreflightConfig
+from components.preflight.bench import BUSBW, NodeMeasurement
 from components.robust import robust_z
 
 MUST_MATCH = ("accelerator", "driver", "torch", "cuda")
@@ -26,10 +26,8 @@ class NodeVerdict:
 
 
 def perf_metrics(node: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in node.items() if k.startswith(PERF_METRICS) and isinstance(v, (int, float))}
-
-
-BUSBW = "allreduce_busbw_gbps"  # a floor on it holds the largest message measured (the bandwidth-bound one)
+    numbers = (int, float)
+    return {k: float(v) for k, v in node.items() if k.startswith(PERF_METRICS) and isinstance(v, numbers)}
 
 
 def floors_for(cfg: PreflightConfig, gpu_type: str | None, nodes: int) -> tuple[dict[str, float], str]:
@@ -48,11 +46,8 @@ def floors_for(cfg: PreflightConfig, gpu_type: str | None, nodes: int) -> tuple[
 def metric_value(node: dict, metric: str) -> float | None:
     if metric in node and isinstance(node[metric], int | float):
         return float(node[metric])
-    if metric == BUSBW:
-        sizes = [
-            (float(k[len(BUSBW) + 1 : -2]), float(v)) for k, v in node.items() if re.fullmatch(rf"{BUSBW}_[\d.]+mb", k)
-        ]
-        return max(sizes)[1] if sizes else None
+    if metric == BUSBW:  # a floor on it holds the largest message measured
+        return NodeMeasurement.of(node).largest_busbw_gbps
     return None
 
 

@@ -20,12 +20,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from components.config import PreflightConfig
 from components.distributed import init_distributed
-from components.launcher import PLUGIN_ENV, worker_spec
 from components.precision import RECIPES
 from components.preflight import bench
 from components.preflight.spec import PreflightSpec
 from components.store import Ref, open_store
 from components.stream import shard_table
+from components.worker_side import PLUGIN_ENV, worker_spec
 
 READ_CHUNK = 1 << 20  # the probe reads as a shard fetch streams: in ranged chunks
 
@@ -66,7 +66,7 @@ def measure_device(cfg: PreflightConfig, spec: PreflightSpec, rank: int, device:
     m.update(local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=str(device))
     for precision in RECIPES.values():
         if precision.supported(device):
-            m[f"gemm_tflops_{precision.name}"] = bench.gemm_tflops(precision, cfg.gemm_size, cfg.gemm_iters, device)
+            m[bench.gemm_key(precision.name)] = bench.gemm_tflops(precision, cfg.gemm_size, cfg.gemm_iters, device)
     gpu = device.type == "cuda"
     m["membw_gbps"] = bench.memory_bandwidth_gbps(cfg.membw_mb_gpu if gpu else cfg.membw_mb, 5, device)
     if m["local_rank"] == 0:

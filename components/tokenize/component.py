@@ -50,6 +50,7 @@ def tokenize_merge(
     """
     import json
 
+    from components import summaries
     from components.task import stage_task
     from components.tokenize.merge import merge_shards
     from components.tokenize.plan import load_plan
@@ -67,4 +68,6 @@ def tokenize_merge(
     for split, s in stats["splits"].items():
         dataset.metadata[f"{split}_blocks"] = s["blocks"]
         dataset.metadata[f"{split}_tokens"] = s["tokens"]
+    blocks = {split: s["blocks"] for split, s in stats["splits"].items()}
+    summaries.attach(dataset, summaries.TokenizeSummary(ref, blocks.get("train", 0), blocks.get("val", 0), reused))
     return ref

@@ -23,7 +23,8 @@ def train(
     import json
     from pathlib import Path
 
-    from components.task import stage_task
+    from components import summaries
+    from components.task import input_ref, stage_task
     from components.train.report import curves_html, final_metrics
     from components.train.stage import require_passing_verdict, run_train
 
@@ -31,7 +32,7 @@ def train(
     with stage_task("train", data=data, model=model, train=train, cluster=cluster, store=store) as task:
         g = task.groups
         result = run_train(
-            json.loads(Path(dataset.path).read_text())["ref"],
+            input_ref(dataset),
             g["model"],
             g["train"],
             g["cluster"],
@@ -51,8 +52,11 @@ def train(
         }
     )
     trained_model.metadata["preflight_excluded_nodes"] = sorted(verdict.get("unhealthy", {}))
-    for name, value in final_metrics(result.metrics).items():
+    final = final_metrics(result.metrics)
+    for name, value in final.items():
         metrics.log_metric(name, value)
+    figures = [final.get(k) for k in ("initial_loss", "final_loss", "tokens_per_s", "peak_memory_gb")]
+    summaries.attach(trained_model, summaries.TrainSummary(ref, result.result.continued, *figures))
     run = {
         "training run": result.identity,
         "model": ref,

@@ -14,7 +14,6 @@ import torch
 
 from components import checkpoint_format
 from components.config import as_plain_dict
-from components.precision.fp8 import float8_cast_configs
 from components.store import ArtifactStore, Ref, sha256_file
 from components.train.export import export_hf
 from components.train.job import Job, TrainState, micro_loss
@@ -79,26 +78,41 @@ def finish(job: Job, state: TrainState, resumed: Resumed | None) -> WorkerResult
         float8_linear_count=len(job.float8_modules),
         float8_linear_modules=job.float8_modules,
         wrapped_modules=wrapped_modules(job.model),
-        float8_cast_configs=float8_cast_configs(job.model),
+        float8_cast_configs=job.recipe.describe(job.model, job.train)["float8_cast_configs"],
         forward_dtypes=job.forward_dtypes,  # e.g. a block norm's weight as the forward saw it
         resumed_from=str(resumed.ref) if resumed else None,
         start_step=resumed.step if resumed else 0,
     )
 
 
-def describe(job: Job) -> str:
-    """What trains, read from the live model: world, precision, wrappers."""
+def training_facts(job: Job) -> dict:
+    """What trains, read from the live model: world, precision, wrappers (rank 0 logs them as
+    its `training on` line and hands them to the driver as a `training` event)."""
     wrapped = wrapped_modules(job.model)
-    blocks = job.model_cfg.num_layers
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    parts = [f"training on {nodes} node(s) x {job.world // nodes} process(es), {job.device.type}"]
-    if job.float8_modules:
-        parts.append(f"fp8 ({job.train.fp8_recipe.value}) in {len(job.float8_modules)} Float8Linear, bf16 elsewhere")
-    else:
-        parts.append(job.train.precision.value)
-    parts.append(f"activation checkpointing on {wrapped['activation_checkpoint']}/{blocks} blocks")
-    parts.append(f"compiled {wrapped['compiled']}/{blocks} blocks")
-    parts.append("FSDP2" if wrapped["fsdp"] else ("DDP" if job.world > 1 else "one process"))
+    fp8 = bool(job.float8_modules)
+    return {
+        "nodes": nodes,
+        "procs_per_node": job.world // nodes,
+        "device": job.device.type,
+        "precision": job.train.precision.value,
+        "precision_said": job.recipe.describe(job.model, job.train)["said"],
+        "fp8_recipe": job.train.fp8_recipe.value if fp8 else None,
+        "float8_linear": len(job.float8_modules),
+        "blocks": job.model_cfg.num_layers,
+        "activation_checkpointed": wrapped["activation_checkpoint"],
+        "compiled": wrapped["compiled"],
+        "wrapper": "FSDP2" if wrapped["fsdp"] else ("DDP" if job.world > 1 else "one process"),
+    }
+
+
+def describe(f: dict) -> str:
+    """The `training on` log line, from `training_facts`."""
+    parts = [f"training on {f['nodes']} node(s) x {f['procs_per_node']} process(es), {f['device']}"]
+    parts.append(f["precision_said"])
+    parts.append(f"activation checkpointing on {f['activation_checkpointed']}/{f['blocks']} blocks")
+    parts.append(f"compiled {f['compiled']}/{f['blocks']} blocks")
+    parts.append(f["wrapper"])
     return ", ".join(parts)
 
 

@@ -16,7 +16,6 @@ from components.config import ModelConfig, TrainConfig
 from components.distributed import init_distributed
 from components.model_math import flops_per_token
 from components.precision import Recipe, recipe
-from components.precision.fp8 import float8_modules
 from components.store import ArtifactStore, Ref, open_store
 from components.stream import StreamingBlocks, open_split
 from components.train import checkpoint as ckpt
@@ -126,7 +125,7 @@ def build_job(spec: TrainSpec) -> Job:
         device,
         exporter,
     )
-    float8 = [clean_name(n) for n in float8_modules(model)]  # read from the model that trains
+    float8 = [clean_name(n) for n in precision.describe(model, train)["float8_linear_modules"]]  # the live model
     return Job(
         spec=spec,
         train=train,

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from components.devices import peak_tflops
-from components.launcher import report_failure
 from components.model_math import host_memory_bytes, mfu
 from components.plots import read_timeline
 from components.robust import leave_one_out_z
+from components.worker_side import report_failure
 
 log = logging.getLogger(__name__)
 WATCHDOG_EXIT_CODE = 75
@@ -103,8 +103,9 @@ class StepLine:
     def mfu(self, tokens_per_s: float) -> float | None:
         return mfu(tokens_per_s, self.flops_per_token, self.peak, self.world)
 
-    def add(self, record: dict) -> str | None:
-        """The line to log at this step, or None between log intervals."""
+    def add(self, record: dict) -> dict | None:
+        """The step's figures to log (averaged over the log interval), or None between intervals:
+        what rank 0 logs as its step line and hands the driver as a `step` event."""
         self._window.append(record)
         step = record["step"]
         if step % self.interval and step != self.steps:
@@ -114,24 +115,38 @@ class StepLine:
         tps = sum(r["tokens_per_s"] * r["step_s"] for r in window) / seconds
         step_s = seconds / len(window)
         mem = record["peak_memory_bytes"]
-        parts = [
-            f"step {step}/{self.steps}",
-            f"loss {record['loss']:.4f}",
-            f"grad_norm {record['grad_norm']:.3f}",
-            f"lr {record['lr']:.2e}",
-            f"{tps:,.0f} tokens/s",
-        ]
-        if (m := self.mfu(tps)) is not None:
-            parts.append(f"MFU {m:.1%}")
-        parts += [
-            f"mem {mem / 2**30:.2f} GiB ({mem / self.device_bytes:.0%})",
-            f"step {step_s:.3f}s",
-            f"ETA {_duration(step_s * (self.steps - step))}",
-        ]
-        return "  ".join(parts)
+        return {
+            "step": step,
+            "steps": self.steps,
+            **{k: float(record[k]) for k in ("loss", "grad_norm", "lr")},
+            "tokens_per_s": tps,
+            "mfu": self.mfu(tps),
+            "peak_memory_gib": mem / 2**30,
+            "memory_fraction": mem / self.device_bytes,
+            "step_s": step_s,
+            "eta_s": step_s * (self.steps - step),
+        }
 
 
-def _duration(seconds: float) -> str:
+def step_text(f: dict) -> str:
+    """The step line of the log, from `StepLine.add`'s figures."""
+    parts = [
+        f"step {f['step']}/{f['steps']}",
+        f"loss {f['loss']:.4f}",
+        f"grad_norm {f['grad_norm']:.3f}",
+        f"lr {f['lr']:.2e}",
+        f"{f['tokens_per_s']:,.0f} tokens/s",
+    ]
+    parts += [f"MFU {f['mfu']:.1%}"] if f["mfu"] is not None else []
+    parts += [
+        f"mem {f['peak_memory_gib']:.2f} GiB ({f['memory_fraction']:.0%})",
+        f"step {f['step_s']:.3f}s",
+        f"ETA {duration(f['eta_s'])}",
+    ]
+    return "  ".join(parts)
+
+
+def duration(seconds: float) -> str:
     seconds = int(round(seconds))
     h, rest = divmod(seconds, 3600)
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
@@ -302,7 +317,8 @@ class Watchdog(threading.Thread):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
                 said = f"no training progress for {idle:.0f}s (train.watchdog_timeout_s={self.timeout_s})"
-                report_failure("WatchdogTimeout", said)  # first, with its time: the peers it fails come after
+                # first, with its time: the peers it fails come after
+                report_failure("WatchdogTimeout", said, stacks_follow=True)
                 print(f"watchdog: {said}; stacks of all threads follow", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from components.config import ModelConfig, StoreConfig, TrainConfig
-from components.launcher import WorkerSpec
+from components.worker_side import WorkerSpec
 
 
 @dataclass(frozen=True)

@@ -19,20 +19,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from components import checkpoint_format
+from components import checkpoint_format, events
 from components.config import as_plain_dict, drop_none
-from components.launcher import PLUGIN_ENV, worker_spec
 from components.train import checkpoint as ckpt
-from components.train.handback import describe, finish, hand_back
+from components.train.handback import describe, finish, hand_back, training_facts
 from components.train.job import Job, TrainState, build_job, micro_loss
 from components.train.model import count_params
-from components.train.monitor import DeviceTimer, StepLine, device_peak_tflops, peak_memory_bytes
+from components.train.monitor import DeviceTimer, StepLine, device_peak_tflops, peak_memory_bytes, step_text
 from components.train.nonfinite import first_nonfinite_module
 from components.train.optim import clip_and_step, lr_at, set_lr
 from components.train.parallel import gradient_sync
 from components.train.profiler import Profiler
 from components.train.resume import Resumed, find_resume_checkpoint
 from components.train.spec import TrainSpec
+from components.worker_side import PLUGIN_ENV, worker_spec
 
 log = logging.getLogger("liftoff.train")
 
@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     peak = job.train.peak_tflops or device_peak_tflops(job.device)
     line = StepLine(job.train.steps, job.train.log_interval, job.flops_per_token, peak, job.world, job.device)
     if job.rank == 0:
-        log.info(describe(job))
+        facts = training_facts(job)
+        log.info(describe(facts))
+        events.emit("training", **facts)
         if job.device.type != "cuda" and job.float8_modules:
             log.info("fp8 on CPU is emulated: it checks the numerics, its speed means nothing")
     for step in range(state.step + 1, job.train.steps + 1):
@@ -242,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         record["mfu"] = line.mfu(record["tokens_per_s"])
         record.update(job.checkpointer.seconds)
         job.monitor.log_step(record)
-        if job.rank == 0 and (text := line.add(record)):
-            log.info(text)
+        if job.rank == 0 and (figures := line.add(record)):
+            log.info(step_text(figures))
+            events.emit("step", **figures)
         if step % job.train.straggler_interval == 0:
             job.monitor.check_stragglers(step)
         if validates_at(step, job.train.val_interval, job.train.steps):

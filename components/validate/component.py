@@ -14,10 +14,11 @@ def validate(
     import json
     from pathlib import Path
 
-    from components.task import stage_task
+    from components import summaries
+    from components.task import input_ref, stage_task
     from components.validate.stage import run_validate
 
-    ref = json.loads(Path(trained_model.path).read_text())["ref"]
+    ref = input_ref(trained_model)
     with stage_task("validate", eval=eval, store=store) as task:
         result = run_validate(ref, task.groups["eval"], task.store)
     for name, ok in result.checks.items():
@@ -26,3 +27,4 @@ def validate(
         verdict.log_metric(name, float(value))
     Path(validated_model.path).write_text(json.dumps({"ref": ref, "checks": result.checks}, indent=2))
     validated_model.metadata.update({"ref": ref})
+    summaries.attach(validated_model, summaries.ValidateSummary(dict(result.checks)))

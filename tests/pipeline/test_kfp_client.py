@@ -177,6 +177,7 @@ def test_submit_with_a_session_cookie(in_tmp, monkeypatch):
         assert all("authservice_session=sentinel-session" in r["headers"].get("cookie", "") for r in kfp.requests)
 
 
+@pytest.mark.chaos_slow  # 2 min: in `make chaos`, out of `make test`'s 30 minutes
 def test_an_optuna_sweep_on_kfp_scores_each_run_by_the_eval_it_put_in_the_store(in_tmp, capsys):
     """Issue 25 (Bayesian sweeps on the cluster): each trial is one KFP run in the sweep's
     experiment, followed to its end; its objective is the eval artifact that run's evaluate stage

@@ -168,6 +168,7 @@ def test_a_group_edited_as_the_ui_sends_it_fails_in_the_stage_naming_the_key(in_
 TOY = [*FAST, "cluster.nodes=1", "train.precision=fp32", "train.activation_checkpointing=false"]
 
 
+@pytest.mark.chaos_slow  # 2-3.5 min: in `make chaos`, out of `make test`'s 30 minutes
 def test_an_optuna_sweep_runs_its_trials_and_reports_the_best_read_from_the_store(in_tmp, capfd):
     """Issue 25, acceptance 3: Hydra's Optuna sweeper samples four learning rates in the interval;
     each trial is a whole run whose objective is its eval artifact's val loss in the store, and

@@ -71,6 +71,29 @@ def test_the_run_folder_keeps_the_config_overrides_and_full_log(default_run, wor
     assert any((folder / "tensorboard").glob("events.*"))
 
 
+def test_the_lines_a_run_shows_come_from_events_not_from_log_text(default_run, workdir):
+    """Issue 26: the training and step lines `liftoff run` printed are its own words for the
+    typed events in the run's log; rewording every log line (the worker's `step N/M` and
+    `training on`, the launcher's) leaves them as they are."""
+    from components import events
+    from pipelines.progress import shown_lines
+
+    (folder,) = (workdir / "runs" / "tiny").iterdir()
+    log = (folder / "run.log").read_text().splitlines()
+    shown = shown_lines(log)
+    assert any(s.startswith("step 10/10 ") for s in shown) and any("Float8Linear" in s for s in shown), shown
+    printed = [ln[6:] for ln in default_run.stdout.splitlines()]
+    assert [ln for ln in printed if ln in set(shown)] == shown  # all of them, in order, nothing else
+    assert any(ln.startswith("2 node(s) x 1 process(es)") for ln in printed)
+    worded = {"step": "Schritt", "training on": "Training auf", "loss": "Verlust", "failed": "gescheitert"}
+    reworded = []
+    for ln in log:
+        for old, new in worded.items():
+            ln = ln if events.parse(ln) else ln.replace(old, new)
+        reworded.append(ln)
+    assert reworded != log and shown_lines(reworded) == shown
+
+
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode != 0
     err = proc.stderr.strip().splitlines()

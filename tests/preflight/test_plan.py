@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from components.config import compose, defaults
 from components.devices import device
-from components.preflight.plan import fits, plan, plan_for
+from components.preflight.plan import fits, plan
+from components.preflight.plan_config import plan_for
 from components.train.model import build_model
 from components.train.optim import build_optimizer
 from pipelines.cli import main

@@ -98,6 +98,9 @@ def test_floors_above_what_the_nodes_measure_fail_the_gate_naming_the_floor(trai
         gate(result, cfg.preflight)
 
 
+SIZES = {"allreduce_sizes_mb": [64.0, 1024.0]}
+
+
 def test_a_gpu_types_floors_fail_a_fleet_on_tcp_sockets():
     """cluster.gpu_type's floors (preflight.device_floors). Two H200 nodes whose NCCL runs over
     the pod network (3 GB/s busbw, alike: no z-score fires) fail; at the fabric's 45 GB/s pass."""
@@ -107,13 +110,15 @@ def test_a_gpu_types_floors_fail_a_fleet_on_tcp_sockets():
     floors, source = floors_for(cfg, "H200", nodes=2)
     assert floors["allreduce_busbw_gbps"] == pytest.approx(20.0) and "H200" in source
     tcp = [
-        node(r, gemm_tflops_bf16=700.0, allreduce_busbw_gbps_64mb=2.0, allreduce_busbw_gbps_1024mb=3.1) for r in (0, 1)
+        node(r, gemm_tflops_bf16=700.0, allreduce_busbw_gbps_64mb=2.0, allreduce_busbw_gbps_1024mb=3.1, **SIZES)
+        for r in (0, 1)
     ]
     verdicts = judge(tcp, cfg, floors, source)
     assert not any(v.healthy for v in verdicts)
     assert all(r == f"allreduce_busbw_gbps=3.1 is below the floor 20 ({source})" for v in verdicts for r in v.reasons)
     ib = [
-        node(r, gemm_tflops_bf16=700.0, allreduce_busbw_gbps_64mb=9.0, allreduce_busbw_gbps_1024mb=45.0) for r in (0, 1)
+        node(r, gemm_tflops_bf16=700.0, allreduce_busbw_gbps_64mb=9.0, allreduce_busbw_gbps_1024mb=45.0, **SIZES)
+        for r in (0, 1)
     ]
     assert all(v.healthy for v in judge(ib, cfg, floors, source))
     assert floors_for(cfg, None, nodes=2)[0] == {}  # a CPU rehearsal has no device table entry

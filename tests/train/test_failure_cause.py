@@ -5,10 +5,10 @@ rank 0 then dies of the lost connection; the one line (the LaunchError's first, 
 from __future__ import annotations
 
 import re
-import traceback
 
 import pytest
 
+from components import events
 from components.launcher import LaunchError
 from pipelines.progress import failure_cause
 from tests.faults import RAISED_VERSION, injected
@@ -30,18 +30,18 @@ def test_the_one_line_failure_names_the_rank_that_failed_first(trainer, capsys):
     assert any("NotFound" in ln and ln.startswith("  | ") for ln in str(failed.value).splitlines()[1:])
 
     # what `liftoff run` prints: kfp.local's task log (the replicas' streamed lines, their
-    # tracebacks among them, then the stage's own traceback), indented as kfp.local does
+    # tracebacks among them), then the `failed` event the stage's stage_task hands back for it
     streamed = capsys.readouterr().out.splitlines()
     assert any("[rank0]: RuntimeError" in ln for ln in streamed), "rank 0 did not die of its own error"
-    raised = "".join(traceback.format_exception(failed.value)).splitlines()
-    cause = failure_cause([f"    {ln}" for ln in [*streamed, *raised]])
+    handed_back = events.line("failed", stage="train", **events.failure_fields(failed.value))
+    cause = failure_cause([f"    {ln}" for ln in [*streamed, handed_back]])
     assert cause == "LaunchError: " + first.removesuffix("; last log lines:"), cause
 
 
 def _report(rank: int, at: float, kind: str, message: str) -> str:
     import json
 
-    from components.launcher import FAILURE_MARK
+    from components.worker_side import FAILURE_MARK
 
     record = {"rank": str(rank), "time": at, "type": kind, "message": message}
     return f"[0]:2026-12-02 11:02:03,123 rank{rank} ERROR liftoff.failure: {FAILURE_MARK} {json.dumps(record)}"
@@ -74,7 +74,7 @@ def _root_cause_block(rank: int, at: float, exitcode: str, traceback_lines: list
 
 
 def _failures(logs: dict[int, list[str]]):
-    from components.launcher import _reported_failure, first_failures
+    from components.failures import _reported_failure, first_failures
 
     reported = {k: [f for ln in lines if (f := _reported_failure(k, ln))] for k, lines in logs.items()}
     return first_failures(logs, reported)

@@ -172,16 +172,16 @@ def test_device_peaks_are_looked_up_by_name():
 
 
 def test_step_line_averages_throughput_over_the_interval_and_omits_mfu_on_cpu():
-    from components.train.monitor import StepLine
+    from components.train.monitor import StepLine, step_text
 
     line = StepLine(steps=100, interval=2, flops_per_token=1e6, peak=None, world=2, device=torch.device("cpu"))
     rec = {"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "peak_memory_bytes": 2**30}
     assert line.add({**rec, "step": 1, "step_s": 1.0, "tokens_per_s": 1000.0}) is None
-    text = line.add({**rec, "step": 2, "step_s": 3.0, "tokens_per_s": 3000.0})
+    text = step_text(line.add({**rec, "step": 2, "step_s": 3.0, "tokens_per_s": 3000.0}))
     # 1000 + 9000 tokens in 4 s; 98 steps left at 2 s each
     assert "2,500 tokens/s" in text and "MFU" not in text and "ETA 0:03:16" in text and "mem 1.00 GiB" in text
     gpu_like = StepLine(steps=10, interval=1, flops_per_token=1e6, peak=1.0, world=2, device=torch.device("cpu"))
-    assert "MFU 50.0%" in gpu_like.add({**rec, "step": 1, "step_s": 1.0, "tokens_per_s": 1e6})
+    assert "MFU 50.0%" in step_text(gpu_like.add({**rec, "step": 1, "step_s": 1.0, "tokens_per_s": 1e6}))
 
 
 def test_train_refuses_a_verdict_that_did_not_pass():

@@ -1,0 +1,133 @@
+"""A composed config's plan: the device it is judged and timed against (memory, peak and bus
+bandwidth, each with where it comes from), and the fewest changes that make it fit (`suggest`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from components.config import Parallelism
+from components.preflight.plan import Plan, fits, host_memory_gb, plan
+
+
+@dataclass
+class PlanDevice:
+    """What a config's plan is judged and timed against, and where each figure comes from."""
+
+    name: str
+    memory_gb: float
+    memory_source: str
+    peak_tflops: float | None
+    peak_source: str
+    busbw_gbps: float | None
+    busbw_source: str
+
+
+def plan_device(cfg) -> PlanDevice:
+    """Device memory: `preflight.device_memory_gb`, else the device table by `cluster.gpu_type`,
+    else this host's RAM. Peak: `train.peak_tflops`, else the table's dense bf16 peak. Bus
+    bandwidth: the table's assumption for one node or for the network across nodes."""
+    from components.devices import busbw_gbps, device
+
+    gpu = cfg.cluster.gpu_type
+    spec = device(gpu) if gpu else None
+    table = f"cluster.gpu_type={gpu} (components/devices.py)"
+    if cfg.preflight.device_memory_gb:
+        memory, memory_source = cfg.preflight.device_memory_gb, "preflight.device_memory_gb"
+    elif spec:
+        memory, memory_source = spec.memory_gb, table
+    else:
+        memory, memory_source = host_memory_gb(), "this host's RAM (cluster.gpu_type is null)"
+    if cfg.train.peak_tflops:
+        peak, peak_source = cfg.train.peak_tflops, "train.peak_tflops"
+    elif spec:
+        peak, peak_source = spec.peak_tflops["bf16"], f"dense bf16, {table}"
+    else:
+        peak, peak_source = None, "unknown: set cluster.gpu_type or train.peak_tflops for step time and MFU"
+    nodes, world = cfg.cluster.nodes, cfg.cluster.nodes * cfg.cluster.procs_per_node
+    if world == 1:
+        busbw, busbw_source = None, "one device: no communication"
+    elif spec:
+        link = "NVLink within one node" if nodes == 1 else "the network across nodes"
+        busbw, busbw_source = busbw_gbps(spec, nodes), f"assumed, {link} ({gpu}, components/devices.py)"
+    else:
+        busbw, busbw_source = None, "unknown without cluster.gpu_type: communication left out"
+    return PlanDevice(gpu or "this host", memory, memory_source, peak, peak_source, busbw, busbw_source)
+
+
+def plan_for(cfg) -> tuple[Plan, PlanDevice]:
+    """The plan for a composed config, without any hardware, and the device it is judged against."""
+    vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
+    world = cfg.cluster.nodes * cfg.cluster.procs_per_node
+    d = plan_device(cfg)
+    p = plan(
+        cfg.model,
+        cfg.train,
+        world,
+        cfg.data.seq_len,
+        vocab,
+        tflops=d.peak_tflops,
+        peak_tflops=d.peak_tflops,
+        busbw_gbps=d.busbw_gbps,
+    )
+    return p, d
+
+
+AC, PARALLELISM, MICRO_BATCH = "train.activation_checkpointing", "train.parallelism", "train.micro_batch_size"
+PROCS, NODES = "cluster.procs_per_node", "cluster.nodes"
+
+
+def with_changes(cfg, changes: dict):
+    """The config with `changes` ({"train.parallelism": Parallelism.fsdp, ...}) applied."""
+    groups = {}
+    for key, value in changes.items():
+        group, name = key.split(".")
+        groups.setdefault(group, {})[name] = value
+    return replace(cfg, **{g: replace(getattr(cfg, g), **values) for g, values in groups.items()})
+
+
+def _fits_with(cfg, changes: dict) -> bool:
+    p, d = plan_for(with_changes(cfg, changes))
+    return fits(p, d.memory_gb, cfg.preflight.memory_safety)
+
+
+def _candidates(cfg):
+    """Changes in order of cost, each adding to the last: activation checkpointing on, FSDP
+    instead of DDP, the micro batch halved down to 1, every GPU of a node used, then 2x, 4x,
+    8x and 16x the nodes."""
+    t, c, changes = cfg.train, cfg.cluster, {}
+    if not t.activation_checkpointing:
+        changes[AC] = True
+        yield dict(changes)
+    if t.parallelism != Parallelism.fsdp:
+        changes[PARALLELISM] = Parallelism.fsdp
+        yield dict(changes)
+    b = t.micro_batch_size
+    while b > 1:
+        b //= 2
+        changes[MICRO_BATCH] = b
+        yield dict(changes)
+    if c.gpu > c.procs_per_node:
+        changes[PROCS] = c.gpu
+        yield dict(changes)
+    for factor in (2, 4, 8, 16):
+        changes[NODES] = c.nodes * factor
+        yield dict(changes)
+
+
+def suggest(cfg) -> dict | None:
+    """The first candidate that fits, less the changes it does not need; None when none fits."""
+    found = next((changes for changes in _candidates(cfg) if _fits_with(cfg, changes)), None)
+    if found is None:
+        return None
+    for key in (AC, PARALLELISM, MICRO_BATCH, PROCS):
+        fewer = {k: v for k, v in found.items() if k != key}
+        if key in found and _fits_with(cfg, fewer):
+            found = fewer
+    return found
+
+
+def as_overrides(changes: dict) -> list[str]:
+    def text(v) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(getattr(v, "value", v))
+
+    return [f"{k}={text(v)}" for k, v in changes.items()]

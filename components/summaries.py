@@ -1,0 +1,139 @@
+"""What each stage hands back about its run, typed: one dataclass per stage, serialised into its
+output artifact's metadata under `SUMMARY` (KFP keeps artifact metadata with the run, the UI
+shows it) and worded by its own `line()`. `liftoff run` renders the summaries it finds in a
+task's outputs (pipelines/summary.py) and knows no stage's metadata keys: a stage changes
+what it records without the CLI noticing, and a new field is a field here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+SUMMARY = "liftoff_summary"
+
+
+def _nan(x) -> float:
+    return float("nan") if x is None else float(x)
+
+
+@dataclass
+class TokenizeSummary:
+    ref: str
+    train_blocks: int
+    val_blocks: int
+    reused: bool
+
+    def line(self) -> str:
+        reused = ", found in the store" if self.reused else ""
+        return f"{self.ref}: {self.train_blocks:,.0f} train / {self.val_blocks:,.0f} val blocks{reused}"
+
+
+@dataclass
+class NodeRow:
+    """One preflight node as the verdict table shows it."""
+
+    node: str
+    healthy: bool
+    gemm_tflops: float | None  # in the training precision (bf16's where it has no GEMM of its own)
+    membw_gbps: float | None
+    busbw_gbps: float | None  # the largest all-reduce message measured
+    memory_gb: float | None
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PreflightSummary:
+    nodes: list[NodeRow]
+    gemm_dtype: str
+    plan_total_gb: float
+    budget_gb: float
+
+    def line(self) -> str:
+        healthy = sum(n.healthy for n in self.nodes)
+        plan = f"plan {self.plan_total_gb:.3g} GB per device of a {self.budget_gb:.3g} GB budget"
+        return f"{healthy}/{len(self.nodes)} nodes healthy, {plan}"
+
+    def table(self) -> list[str]:
+        """One row per node: its health and the benchmarks it was judged by, then why each
+        unhealthy node is."""
+        head = ["node", "verdict", f"{self.gemm_dtype} TFLOP/s", "mem GB/s", "busbw GB/s", "memory GB"]
+        rows = [head]
+        for n in self.nodes:
+            figures = (n.gemm_tflops, n.membw_gbps, n.busbw_gbps, n.memory_gb)
+            cells = [("-" if v is None else f"{v:.4g}") for v in figures]
+            rows.append([n.node, "healthy" if n.healthy else "UNHEALTHY", *cells])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+        return table + [f"{n.node}: {'; '.join(n.reasons)}" for n in self.nodes if not n.healthy]
+
+
+@dataclass
+class TrainSummary:
+    model: str
+    continued: str  # "fresh", or the checkpoint it went on from
+    initial_loss: float | None
+    final_loss: float | None
+    tokens_per_s: float
+    peak_memory_gb: float
+
+    def line(self) -> str:
+        losses = f"loss {_nan(self.initial_loss):.2f} -> {_nan(self.final_loss):.2f}"
+        speed = f"{self.tokens_per_s:,.0f} tokens/s, peak {self.peak_memory_gb:.2f} GB"
+        return f"{self.continued}; {losses}, {speed}, {self.model}"
+
+
+@dataclass
+class ValidateSummary:
+    checks: dict[str, bool]
+
+    def line(self) -> str:
+        return f"{sum(self.checks.values())}/{len(self.checks)} checks passed"
+
+
+@dataclass
+class EvaluateSummary:
+    val_loss: float
+    val_perplexity: float
+
+    def line(self) -> str:
+        return f"val loss {self.val_loss:.4f}, perplexity {self.val_perplexity:.2f}"
+
+
+STAGES = (TokenizeSummary, PreflightSummary, TrainSummary, ValidateSummary, EvaluateSummary)
+KINDS = {cls.__name__: cls for cls in STAGES}
+
+
+def _plain(value):
+    """JSON without NaN (KFP's metadata is a protobuf Struct): a NaN or infinity travels as None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def attach(artifact, summary) -> None:
+    """Put `summary` into a KFP output artifact's metadata."""
+    artifact.metadata[SUMMARY] = {"kind": type(summary).__name__, **_plain(dataclasses.asdict(summary))}
+
+
+def read(metadata: dict):
+    """The summary a stage's artifact metadata carries, typed; None when it has none."""
+    record = dict((metadata or {}).get(SUMMARY) or {})
+    cls = KINDS.get(record.pop("kind", None))
+    if cls is None:
+        return None
+    if cls is PreflightSummary:
+        record["nodes"] = [NodeRow(**n) for n in record["nodes"]]
+    return cls(**record)
+
+
+def find(outputs: dict):
+    """The summary among a task's outputs (whichever artifact carries it)."""
+    for artifact in outputs.values():
+        if (summary := read(getattr(artifact, "metadata", None))) is not None:
+            return summary
+    return None

@@ -1,0 +1,101 @@
+"""What every launched worker does in its own process, on the replicas' side of a launch
+(`components/launcher.py` is the driver's): its typed spec from the command line (`WorkerSpec`,
+`worker_spec`), log lines that name its rank, and the `FAILURE_MARK` line it logs when an
+exception ends it, which the driver reads back (`components/failures.py`)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+import typing
+
+# A module a worker imports when this is set in its environment and calls `install(...)` on:
+# how tests inject faults (a NaN, a dead or slow rank, a degraded node) into real runs.
+PLUGIN_ENV = "LIFTOFF_WORKER_PLUGIN"
+PLUGIN_ARGS_ENV = "LIFTOFF_WORKER_PLUGIN_ARGS"  # the plugin's own settings (which faults), as JSON
+
+# What a replica's process prints, as one log line, when an exception ends it: its rank, the
+# time (epoch seconds) and the exception. The driver reads it from the replica's log stream
+# (all a pod shares with it besides the store) to name the rank that failed first.
+FAILURE_MARK = "liftoff-failure:"
+
+
+class WorkerSpec:
+    """Base of what a stage tells the workers it launches: a dataclass whose fields are plain
+    JSON values or config groups. Encoded once, here, into the worker's command line."""
+
+    def to_json(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict):
+        from components.config import group_from_dict
+
+        hints = typing.get_type_hints(cls)
+        groups = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+        return cls(**{k: group_from_dict(hints[k], v) if k in groups else v for k, v in data.items()})
+
+    def encode(self) -> str:
+        return base64.urlsafe_b64encode(json.dumps(self.to_json()).encode()).decode()
+
+    @classmethod
+    def decode(cls, text: str):
+        return cls.from_json(json.loads(base64.urlsafe_b64decode(text.encode()).decode()))
+
+
+def _plain(value):
+    from components.config import as_plain_dict, drop_none
+
+    return drop_none(as_plain_dict(value)) if dataclasses.is_dataclass(value) else value
+
+
+def worker_spec(argv: list[str] | None, spec_type: type[WorkerSpec]):
+    """The start of every launched worker: its typed spec from `--spec-b64`, log lines that name
+    the rank, and the thread count the launcher chose for this host."""
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec-b64", required=True)
+    spec = spec_type.decode(parser.parse_args(argv).spec_b64)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
+    )
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    report_uncaught_exceptions()
+    return spec
+
+
+def report_uncaught_exceptions(rank: str | None = None) -> None:
+    """An exception that ends this replica's process is first logged as one `FAILURE_MARK`
+    line (rank, time, type, message), then printed as usual. torch.distributed's own hook,
+    installed later, calls this one: it chains."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        report_failure(kind.__name__, str(value), rank)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def report_failure(kind: str, message: str, rank: str | None = None, stacks_follow: bool = False) -> None:
+    """One `FAILURE_MARK` line for this replica's rank: the launcher ranks failures by its time,
+    so a process that ends itself (the watchdog) is named before the peers its exit fails;
+    `stacks_follow`: a dump of every thread's stack comes next (log tails keep it whole).
+    Never raises: what the caller prints next (a traceback, the stacks) matters more."""
+    try:
+        rank = rank if rank is not None else os.environ.get("RANK", "?")
+        record = {"rank": rank, "time": time.time(), "type": kind, "message": message}
+        record.update({"stacks_follow": True} if stacks_follow else {})
+        logging.getLogger("liftoff.failure").error("%s %s", FAILURE_MARK, json.dumps(record))
+    except Exception:
+        pass
