@@ -1,16 +1,15 @@
 """What a job's replica logs say about its failure: which rank failed first and why, from each
-rank's own `FAILURE_MARK` line or else torchrun's "Root Cause" block, and the log tail worth
+rank's own `rank_failed` event or else torchrun's "Root Cause" block, and the log tail worth
 quoting. The launcher (`components/launcher.py`) raises what `describe_failure` writes."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
 
 from components import events
-from components.worker_side import FAILURE_MARK
+from components.worker_side import RANK_FAILED
 
 
 def describe_failure(name: str, status, tails: dict, tail_lines: int, failures: dict | None = None) -> str:
@@ -48,7 +47,7 @@ def describe_failure(name: str, status, tails: dict, tail_lines: int, failures: 
 
 @dataclass(frozen=True)
 class Failure:
-    """One rank's failure as its replica's log tells it: its own `FAILURE_MARK` line (exact
+    """One rank's failure as its replica's log tells it: its own `rank_failed` event (exact
     time, the exception), else torchrun's "Root Cause" block (the second its agent saw the
     process end: a signal, or an exception from the error file `@record` wrote)."""
 
@@ -85,12 +84,8 @@ _OWN_DEATH = ("SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")
 
 def _failure_record(line: str) -> dict | None:
     """The record a `report_failure` line carries."""
-    m = re.search(re.escape(FAILURE_MARK) + r" (\{.*\})\s*$", line)
-    try:
-        record = json.loads(m.group(1)) if m else None
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
+    event = events.parse(line)
+    return dict(event.fields) if event is not None and event.kind == RANK_FAILED else None
 
 
 def _reported_failure(replica: int, line: str) -> Failure | None:
@@ -158,7 +153,7 @@ def torchrun_root_causes(replica: int, lines: list[str]) -> list[Failure]:
         elif signal_name:
             cause = f"killed by {signal_name.group(1)} (exit code {code})"
             order = when - 1.0 if signal_name.group(1) in _OWN_DEATH else when + 1.0
-        else:  # an exit without an exception (a watchdog's names itself in its own FAILURE_MARK line)
+        else:  # an exit without an exception (a watchdog's names itself in its own rank_failed event)
             cause, order = f"exit code {code}", when + 1.0
         found.append(Failure(replica, rank, when, cause, exact=False, order=order))
     return found

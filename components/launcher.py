@@ -267,7 +267,7 @@ def _cancelled_unless_finished(runner, handle: str, name: str):
 
 def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40):
     """Stream every replica's log until the job ends; (final status, each replica's last lines,
-    the failures its processes reported: `FAILURE_MARK` lines, kept apart from the bounded
+    the failures its processes reported: `rank_failed` events, kept apart from the bounded
     tail). A replica's stream is retried (or reopened, when it ends) while the job runs: its
     pod may not exist yet, and a long follow may be closed by the API server. Every stream
     gets one last read after the job ended: a replica that crashed before its log could be

@@ -1,6 +1,6 @@
 """What every launched worker does in its own process, on the replicas' side of a launch
 (`components/launcher.py` is the driver's): its typed spec from the command line (`WorkerSpec`,
-`worker_spec`), log lines that name its rank, and the `FAILURE_MARK` line it logs when an
+`worker_spec`), log lines that name its rank, and the `rank_failed` event it logs when an
 exception ends it, which the driver reads back (`components/failures.py`)."""
 
 from __future__ import annotations
@@ -14,15 +14,17 @@ import sys
 import time
 import typing
 
+from components import events
+
 # A module a worker imports when this is set in its environment and calls `install(...)` on:
 # how tests inject faults (a NaN, a dead or slow rank, a degraded node) into real runs.
 PLUGIN_ENV = "LIFTOFF_WORKER_PLUGIN"
 PLUGIN_ARGS_ENV = "LIFTOFF_WORKER_PLUGIN_ARGS"  # the plugin's own settings (which faults), as JSON
 
-# What a replica's process prints, as one log line, when an exception ends it: its rank, the
-# time (epoch seconds) and the exception. The driver reads it from the replica's log stream
-# (all a pod shares with it besides the store) to name the rank that failed first.
-FAILURE_MARK = "liftoff-failure:"
+# The event a replica's process logs when an exception ends it (components/events.py): its
+# rank, the time (epoch seconds) and the exception. The driver reads it from the replica's log
+# stream (all a pod shares with it besides the store) to name the rank that failed first.
+RANK_FAILED = "rank_failed"
 
 
 class WorkerSpec:
@@ -75,7 +77,7 @@ def worker_spec(argv: list[str] | None, spec_type: type[WorkerSpec]):
 
 
 def report_uncaught_exceptions(rank: str | None = None) -> None:
-    """An exception that ends this replica's process is first logged as one `FAILURE_MARK`
+    """An exception that ends this replica's process is first logged as one `rank_failed`
     line (rank, time, type, message), then printed as usual. torch.distributed's own hook,
     installed later, calls this one: it chains."""
     previous = sys.excepthook
@@ -88,7 +90,7 @@ def report_uncaught_exceptions(rank: str | None = None) -> None:
 
 
 def report_failure(kind: str, message: str, rank: str | None = None, stacks_follow: bool = False) -> None:
-    """One `FAILURE_MARK` line for this replica's rank: the launcher ranks failures by its time,
+    """One `rank_failed` event for this replica's rank: the launcher ranks failures by its time,
     so a process that ends itself (the watchdog) is named before the peers its exit fails;
     `stacks_follow`: a dump of every thread's stack comes next (log tails keep it whole).
     Never raises: what the caller prints next (a traceback, the stacks) matters more."""
@@ -96,6 +98,6 @@ def report_failure(kind: str, message: str, rank: str | None = None, stacks_foll
         rank = rank if rank is not None else os.environ.get("RANK", "?")
         record = {"rank": rank, "time": time.time(), "type": kind, "message": message}
         record.update({"stacks_follow": True} if stacks_follow else {})
-        logging.getLogger("liftoff.failure").error("%s %s", FAILURE_MARK, json.dumps(record))
+        logging.getLogger("liftoff.failure").error("%s", events.line(RANK_FAILED, **record))
     except Exception:
         pass

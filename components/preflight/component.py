@@ -24,7 +24,7 @@ def preflight(
     from pathlib import Path
 
     from components import summaries
-    from components.preflight.stage import gate, report_markdown, run_preflight, summary
+    from components.preflight.stage import gate, run_preflight, summary
     from components.task import input_ref, stage_task
 
     with stage_task("preflight", model=model, train=train, preflight=preflight, cluster=cluster, store=store) as t:
@@ -40,9 +40,9 @@ def preflight(
                 metrics.log_metric(f"plan_{key}", float(value))
         metrics.log_metric("healthy_nodes", float(len(result.healthy)))
         metrics.log_metric("preflight_seconds", result.seconds)
-        Path(report.path).write_text(report_markdown(result, cfg))  # the UI's; the store has it as HTML too
+        Path(report.path).write_text(result.markdown)  # the UI's; the store has it as HTML too
         report.metadata.update({"report_html": str(result.report_path)})
-        gate(result, cfg)  # raises (inside the task: its `failed` event): no verdict, so train cannot start
+        gate(result)  # raises (inside the task: its `failed` event): no verdict, so train cannot start
         passed = {"passed": True, "dataset": dataset.metadata.get("ref"), "healthy": result.healthy}
         excluded = {"unhealthy": result.unhealthy, "excluded_hosts": result.excluded_hosts}  # train stays off these
         Path(verdict.path).write_text(json.dumps({**passed, **excluded}, indent=2))

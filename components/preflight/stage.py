@@ -46,6 +46,8 @@ class PreflightResult:
     seconds: float
     ref: Ref | None = None  # the nodes' measurements in the store
     report_path: Path | None = None  # the published report.html, fetched: a file a browser opens
+    markdown: str | None = None  # the report, as published (the KFP UI shows it)
+    problems: list[str] | None = None  # why the gate fails, judged once when the report is made
 
     @property
     def healthy(self) -> list[str]:
@@ -94,7 +96,7 @@ def summary(result: PreflightResult, cfg: PreflightConfig, precision: Precision)
     return PreflightSummary(rows, dtype, result.plan.total_gb, result.device_memory_gb * cfg.memory_safety)
 
 
-def report_markdown(result: PreflightResult, cfg: PreflightConfig) -> str:
+def report_markdown(result: PreflightResult, cfg: PreflightConfig, problems: list[str] | None = None) -> str:
     metrics = sorted(
         {
             k
@@ -103,7 +105,7 @@ def report_markdown(result: PreflightResult, cfg: PreflightConfig) -> str:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "rank"
         }
     )
-    problems = gate_problems(result, cfg)
+    problems = gate_problems(result, cfg) if problems is None else problems
     lines = ["# Preflight", "", "**passed**" if not problems else "**failed**", ""]
     lines += [f"- {p}" for p in problems] + ([""] if problems else [])
     lines += ["| node | verdict | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
@@ -140,8 +142,10 @@ def report_html(markdown: str, title: str) -> str:
 def publish_report(result: PreflightResult, cfg: PreflightConfig, store: ArtifactStore) -> Path:
     """`preflight-report/<name>@<run id>` (report.html and report.md, the verdict in its metadata)
     next to the measurements it reads, whether or not the gate passes; its local report.html."""
-    markdown = report_markdown(result, cfg)
-    problems = gate_problems(result, cfg)
+    if result.problems is None:
+        result.problems = gate_problems(result, cfg)
+    problems = result.problems
+    result.markdown = markdown = report_markdown(result, cfg, problems)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         (out / "report.md").write_text(markdown)
@@ -212,13 +216,17 @@ def run_preflight(
 
         bad = [v for v in verdicts if not v.healthy]
         quarantine_nodes([v.host for v in bad], {v.host: v.reasons for v in bad})
+    result.problems = gate_problems(result, cfg)  # once: the report says it, the gate acts on it
     result.report_path = publish_report(result, cfg, store)
     return result
 
 
-def gate(result: PreflightResult, cfg: PreflightConfig) -> None:
-    """Stop the run before training when the fleet or the plan cannot work."""
-    problems = gate_problems(result, cfg)
+def gate(result: PreflightResult) -> None:
+    """Stop the run before training when the fleet or the plan cannot work (as judged once,
+    by `run_preflight`, for its report)."""
+    problems = result.problems
+    if problems is None:
+        raise ValueError("preflight: the gate has not judged this result (run_preflight judges it)")
     if problems:
         raise PreflightFailed("preflight failed:\n- " + "\n- ".join(problems))
 

@@ -4,7 +4,6 @@ driver (finding 9), and where the namespace comes from."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -183,13 +182,13 @@ def test_the_first_failing_pod_is_named_from_the_pod_logs(launch_on):
     """On Kubernetes the failure records come from the pod logs (each line after the API's
     timestamp): replica 1 raised NotFound first, replica 0 lost its peer 0.8 s later and is
     the replica the job status calls Failed; the one line names replica 1's NotFound."""
+    from components import events
     from components.launcher import LaunchError, run_once
-    from components.worker_side import FAILURE_MARK
     from tests.pipeline.fake_k8s import FakeK8s
 
     def report(rank: int, at: float, kind: str, message: str) -> str:
         record = {"rank": str(rank), "time": at, "type": kind, "message": message}
-        return f"[0]:2026-12-01 00:00:00,000 rank{rank} ERROR liftoff.failure: {FAILURE_MARK} {json.dumps(record)}"
+        return f"[0]:2026-12-01 00:00:00,000 rank{rank} ERROR liftoff.failure: {events.line('rank_failed', **record)}"
 
     t = 1796214012.898
     logs = {
@@ -212,12 +211,12 @@ def test_a_pod_that_died_without_a_word_is_named_too(launch_on):
     """Replica 1's pod is lost with its node (its task Failed, nothing in its log); replica 0
     reports its lost connection. The line names replica 0's error and says replica 1 logged
     none of its own, rather than passing rank 0's symptom off as the whole story."""
+    from components import events
     from components.launcher import LaunchError, run_once
-    from components.worker_side import FAILURE_MARK
     from tests.pipeline.fake_k8s import FakeK8s
 
     record = {"rank": "0", "time": 1796214013.5, "type": "RuntimeError", "message": "Connection closed by peer"}
-    logs = {0: [f"rank0 ERROR liftoff.failure: {FAILURE_MARK} {json.dumps(record)}"], 1: ["replica says hello"]}
+    logs = {0: [f"rank0 ERROR liftoff.failure: {events.line('rank_failed', **record)}"], 1: ["replica says hello"]}
     with FakeK8s(running_polls=0, fail_replica=1, replica_logs=logs) as api:
         with pytest.raises(LaunchError) as failed:
             run_once(launch_on(api), {})

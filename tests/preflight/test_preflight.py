@@ -43,7 +43,7 @@ def test_two_node_preflight_measures_everything_and_passes(trainer):
         missing = [m for m in EVERY_METRIC if m not in node]
         assert not missing, missing
         assert node["gemm_tflops_fp32"] > 0 and node["storage_probe_ok"]
-    gate(result, cfg.preflight)
+    gate(result)
     # the read probe: read_probe_mb in ranged reads of the largest train shard, not a download
     largest = max(
         s["splits"]["train"]["bytes"] for s in trainer.store.manifest(Ref.parse(trainer.dataset)).metadata["shards"]
@@ -75,7 +75,7 @@ def test_throttled_node_is_unhealthy_and_the_gate_stops_the_run(trainer):
     assert list(unhealthy) == [f"{result.nodes[1]['host']}#1"]
     assert any("gemm_tflops" in r and "robust SDs below" in r for r in unhealthy[f"{result.nodes[1]['host']}#1"])
     with pytest.raises(PreflightFailed, match="1 healthy node\\(s\\), preflight.min_healthy_nodes=2"):
-        gate(result, cfg.preflight)
+        gate(result)
 
 
 def test_floors_above_what_the_nodes_measure_fail_the_gate_naming_the_floor(trainer):
@@ -95,7 +95,7 @@ def test_floors_above_what_the_nodes_measure_fail_the_gate_naming_the_floor(trai
             for r in reasons
         )
     with pytest.raises(PreflightFailed, match=r"0 healthy node\(s\).*gemm_tflops_fp32=.* is below the floor 1e\+06"):
-        gate(result, cfg.preflight)
+        gate(result)
 
 
 SIZES = {"allreduce_sizes_mb": [64.0, 1024.0]}
@@ -143,7 +143,7 @@ def test_by_default_every_node_must_pass_and_a_node_counts_once_whatever_its_dev
 def test_plan_that_does_not_fit_fails_the_gate(trainer):
     cfg, result = preflight(trainer, "preflight.device_memory_gb=0.001")
     with pytest.raises(PreflightFailed, match="planned memory .* GB per device exceeds 0.00 GB"):
-        gate(result, cfg.preflight)
+        gate(result)
 
 
 def node(rank, **kw):

@@ -39,12 +39,11 @@ def test_the_one_line_failure_names_the_rank_that_failed_first(trainer, capsys):
 
 
 def _report(rank: int, at: float, kind: str, message: str) -> str:
-    import json
 
-    from components.worker_side import FAILURE_MARK
+    from components import events
 
     record = {"rank": str(rank), "time": at, "type": kind, "message": message}
-    return f"[0]:2026-12-02 11:02:03,123 rank{rank} ERROR liftoff.failure: {FAILURE_MARK} {json.dumps(record)}"
+    return f"[0]:2026-12-02 11:02:03,123 rank{rank} ERROR liftoff.failure: {events.line('rank_failed', **record)}"
 
 
 def _root_cause_block(rank: int, at: float, exitcode: str, traceback_lines: list[str]) -> list[str]:
