@@ -93,7 +93,7 @@ def run_case(model_name: str, precision: str, recipe_name: str, ac_every: int, m
     import torch.nn.functional as F
 
     from components.devices import peak_tflops
-    from components.model_math import flops_per_token
+    from components.model_math import flops_per_token, mfu
     from components.precision import recipe
     from components.preflight.plan import plan
     from components.train.activation_checkpoint import apply_activation_checkpointing
@@ -153,7 +153,7 @@ def run_case(model_name: str, precision: str, recipe_name: str, ac_every: int, m
         "step_s": seconds,
         "warmup_and_compile_s": warmup_s,
         "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * flops / (peak * 1e12) if peak else None,
+        "mfu": mfu(tokens_per_s, flops, peak, 1),
         "planned_gb": planned_gb,
     }
     if device.type == "cuda":

@@ -11,6 +11,7 @@ exception a stage ended with)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -29,8 +30,19 @@ class Event:
         return self.fields.get(key, default)
 
 
+def strict(value):
+    """Strict JSON: a NaN or infinity travels as None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict(v) for v in value]
+    return value
+
+
 def line(kind: str, **fields) -> str:
-    return MARK + json.dumps({"kind": kind, **fields}, default=str, allow_nan=True)
+    return MARK + json.dumps(strict({"kind": kind, **fields}), default=str, allow_nan=False)
 
 
 def emit(kind: str, **fields) -> None:
@@ -61,16 +73,18 @@ def events(lines, kind: str | None = None) -> list[Event]:
 
 
 def failure_fields(exc: BaseException) -> dict:
-    """A stage's exception as the `failed` event carries it: its type and its one-line cause
-    (an exception may say which with `summary`; else its first line, with the bullet lines of
-    a `...:` message joined on)."""
+    """A stage's exception as the `failed` event carries it: its type and its cause in one line
+    (an exception may give it as `summary`; else its message's lines joined: `a: b; c`)."""
     summary = getattr(exc, "summary", None)
-    if summary is None:
-        head, *rest = (str(exc) or type(exc).__name__).splitlines() or [""]
-        bullets = []
-        for ln in rest:
-            if not ln.startswith("- "):
-                break
-            bullets.append(ln[2:].strip())
-        summary = f"{head} {'; '.join(bullets)}" if bullets and head.endswith(":") else head
-    return {"type": type(exc).__name__, "message": summary}
+    return {"type": type(exc).__name__, "message": summary or one_line(str(exc)) or type(exc).__name__}
+
+
+def one_line(text: str) -> str:
+    """A message's lines as one: `a:` then its indented items `b; c`."""
+    parts = [ln.strip().removeprefix("- ") for ln in text.strip().splitlines() if ln.strip()]
+    if not parts:
+        return text.strip()
+    out = parts[0]
+    for i, part in enumerate(parts[1:]):
+        out += (" " if i == 0 and out.endswith(":") else "; ") + part
+    return out

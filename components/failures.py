@@ -12,9 +12,9 @@ from components import events
 from components.worker_side import RANK_FAILED
 
 
-def describe_failure(name: str, status, tails: dict, tail_lines: int, failures: dict | None = None) -> str:
-    """The message of a job that did not succeed: the rank that failed first (or the failing
-    replica's own exception), then its replica's last log lines, quoted."""
+def describe_failure(name: str, status, tails: dict, tail_lines: int, failures: dict | None = None) -> tuple[str, str]:
+    """(the cause in one line, the message) of a job that did not succeed: the rank that failed
+    first (or the failing replica's own exception), then its replica's last log lines, quoted."""
     state = status.state.name if status else "UNKNOWN"
     ranked = first_failures(tails, failures or {})
     if ranked:  # the rank that failed first is the cause; the others failed after it
@@ -38,11 +38,8 @@ def describe_failure(name: str, status, tails: dict, tail_lines: int, failures: 
             + (f"; replica {failing} failed" if failing is not None else "")
             + (f": {cause}" if cause else "")
         )
-    return (
-        head
-        + "; last log lines:\n"
-        + "\n".join(f"  | {ln}" for ln in log_tail(seen, tail_lines))  # quoted: never read as the driver's own
-    )
+    quoted = "\n".join(f"  | {ln}" for ln in log_tail(seen, tail_lines))  # quoted: never read as the driver's own
+    return head, f"{head}; last log lines:\n{quoted}"
 
 
 @dataclass(frozen=True)
@@ -93,20 +90,9 @@ def _reported_failure(replica: int, line: str) -> Failure | None:
     if r is None:
         return None
     try:
-        return Failure(replica, str(r["rank"]), float(r["time"]), _one_line(f"{r['type']}: {r['message']}"))
+        return Failure(replica, str(r["rank"]), float(r["time"]), events.one_line(f"{r['type']}: {r['message']}"))
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _one_line(text: str) -> str:
-    """A message's lines as one: `a:` then its indented items `b; c`."""
-    parts = [ln.strip().removeprefix("- ") for ln in text.strip().splitlines() if ln.strip()]
-    if not parts:
-        return text.strip()
-    out = parts[0]
-    for i, part in enumerate(parts[1:]):
-        out += (" " if i == 0 and out.endswith(":") else "; ") + part
-    return out
 
 
 # what the Kubernetes API puts before each line of a pod's log (TorchX asks for timestamps)
@@ -175,7 +161,7 @@ def _traceback_exception(lines: list[str]) -> str | None:
         if not ln.strip():
             break
         body.append(ln)
-    return _one_line(f"{kind.rsplit('.', 1)[-1]}: " + "\n".join(body))
+    return events.one_line(f"{kind.rsplit('.', 1)[-1]}: " + "\n".join(body))
 
 
 def first_failures(tails: dict, reported: dict) -> list[Failure]:
@@ -200,9 +186,14 @@ _NOISE = re.compile(r"^(frame #\d+:|Exception raised from |=+$|\[W\d+ |\s*\^+$)"
 def log_tail(lines: list[str], n: int) -> list[str]:
     """The last `n` meaningful lines; a watchdog's thread dump is kept whole (capped at 3n)
     because the stacks are the one thing that explains a hang."""
-    kept = [ln for ln in lines if not _NOISE.match(ln) and events.parse(ln) is None]  # events: for programs
-    dumps = (i for i in range(len(kept) - 1, -1, -1) if (_failure_record(kept[i]) or {}).get("stacks_follow"))
-    dump = next(dumps, None)
+    kept, dump = [], None
+    for ln in lines:
+        record = _failure_record(ln)
+        if record is not None and record.get("stacks_follow"):  # the newest dump is the one kept whole
+            dump = len(kept)
+            kept.append(f"rank {record.get('rank')}: {record.get('type')}: {record.get('message')}; its stacks:")
+        elif not _NOISE.match(ln) and events.parse(ln) is None:  # events are for programs
+            kept.append(ln)
     if dump is None:
         return kept[-n:]
     end = dump + 3 * n

@@ -15,10 +15,11 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from components import events, k8s, local_pod
+from components import events, fleet, k8s, local_pod
 from components.config import ClusterConfig, Scheduler
 from components.failures import _reported_failure, describe_failure
 from components.worker_side import PLUGIN_ARGS_ENV, PLUGIN_ENV, WorkerSpec
@@ -32,10 +33,11 @@ QUIET_WARNINGS = "ignore:`broadcast_buffers` is deprecated:FutureWarning"
 
 
 class LaunchError(RuntimeError):
-    @property
-    def summary(self) -> str:
-        """The cause, one line: the message without the log tail quoted under it."""
-        return str(self).splitlines()[0].removesuffix("; last log lines:") if str(self) else type(self).__name__
+    """`summary`: the cause in one line, without the log tail the message quotes under it."""
+
+    def __init__(self, message: str = "", summary: str | None = None):
+        super().__init__(message)
+        self.summary = summary or (message.splitlines() or [type(self).__name__])[0]
 
 
 @dataclass
@@ -48,11 +50,12 @@ class Launch:
     name: str
     log_dir: Path
     nodes_dir: Path  # locally, replica i lives in nodes_dir/<i>/ (its cwd, HOME, TMPDIR): a pod's own disk
-    exclude_nodes: tuple[str, ...] = ()  # Kubernetes nodes the replicas must not run on (preflight's verdict)
+    exclude_nodes: tuple[str, ...] = ()  # nodes the replicas must not run on (quarantined, preflight's verdict)
     # which run this is (the spec's launch or run id, else a new one): on Kubernetes every
     # attempt's vcjob carries it, and a driver deletes only its own launch's earlier attempts
     launch_id: str = ""
     metrics_port: int = 0  # the replicas serve Prometheus metrics there: their pods carry scrape annotations
+    quarantined: Callable[[], Iterable[str]] | None = None  # the nodes quarantined now (fleet.py)
 
     def __post_init__(self):
         spec_id = getattr(self.spec, "launch_id", None) or getattr(self.spec, "run_id", None)
@@ -103,9 +106,12 @@ def plugin_env() -> dict[str, str]:
     return {PLUGIN_ENV: name, PLUGIN_ARGS_ENV: os.environ.get(PLUGIN_ARGS_ENV, "{}"), "PYTHONPATH": str(root)}
 
 
-def build_app(module: str, spec: WorkerSpec, cluster: ClusterConfig, name: str, env: dict[str, str], nodes_dir=None):
+def build_app(
+    module: str, spec: WorkerSpec, cluster: ClusterConfig, name: str, env: dict[str, str], nodes_dir=None, exclude=()
+):
     """The TorchX AppDef of a launch. Its replicas' environment is exactly what is declared
-    here, on Kubernetes as in the local simulation of a pod (`components/local_pod.py`)."""
+    here, on Kubernetes as in the local simulation of a pod (`components/local_pod.py`).
+    Locally the replicas are the first nodes of this host's fleet that `exclude` leaves."""
     from torchx.components import dist
     from torchx.specs import macros
 
@@ -134,6 +140,9 @@ def build_app(module: str, spec: WorkerSpec, cluster: ClusterConfig, name: str, 
     if cluster.scheduler == Scheduler.local_cwd:
         role.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         role.env["NODE_NAME"] = f"{socket.gethostname()}-node{macros.replica_id}"  # one host, several "nodes"
+        names = fleet.local_nodes(socket.gethostname(), cluster.nodes, cluster.spare_nodes, exclude)
+        role.env[fleet.NODE_NAMES_ENV] = ",".join(names)  # replica i is node names[i] (worker_side)
+        role.env[fleet.REPLICA_ENV] = str(macros.replica_id)
         if nodes_dir is not None:  # each replica in its own directory with only its declared environment
             pod = ["-m", "components.local_pod", "--dir", f"{nodes_dir}/{macros.replica_id}"]
             pod += ["--declared", ",".join(sorted(role.env))]
@@ -196,9 +205,13 @@ def run_app(launch: Launch, env: dict[str, str] | None = None) -> None:
     --max_restarts: with several elastic agents, one failure can restart each agent a
     different number of times, and their workers then look for each other under different
     store prefixes and never connect. The workers resume from the newest valid checkpoint.
+    Each attempt keeps off the nodes quarantined by then (`launch.quarantined`), a record an
+    earlier attempt's fault left included.
     """
     attempts = launch.cluster.max_restarts + 1
     for attempt in range(attempts):
+        if launch.quarantined is not None:
+            launch.exclude_nodes = tuple(sorted({*launch.exclude_nodes, *launch.quarantined()}))
         try:
             return run_once(launch, {**(env or {}), "LIFTOFF_ATTEMPT": str(attempt)})
         except LaunchError as e:
@@ -222,7 +235,7 @@ def run_once(launch: Launch, env: dict[str, str], tail_lines: int = 40) -> None:
         secret = local_pod.write_secret(launch.nodes_dir / "secret.json", local_pod.store_secret_values(os.environ))
     on_k8s = cluster.scheduler == Scheduler.kubernetes
     name = k8s.attempt_name(launch.name, launch.launch_id, attempt_of(env)) if on_k8s else launch.name
-    app = build_app(launch.module, launch.spec, cluster, name, env, launch.nodes_dir)
+    app = build_app(launch.module, launch.spec, cluster, name, env, launch.nodes_dir, launch.exclude_nodes)
     try:
         if on_k8s:
             namespace = k8s.namespace(cluster.namespace)
@@ -355,4 +368,5 @@ def _raise_unless_succeeded(name: str, status, tails: dict, tail_lines: int, fai
 
     if status is not None and status.state == AppState.SUCCEEDED:
         return
-    raise LaunchError(describe_failure(name, status, tails, tail_lines, failures))
+    head, message = describe_failure(name, status, tails, tail_lines, failures)
+    raise LaunchError(message, summary=head)

@@ -7,8 +7,9 @@ what it records without the CLI noticing, and a new field is a field here."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
+
+from components import events
 
 SUMMARY = "liftoff_summary"
 
@@ -48,6 +49,7 @@ class PreflightSummary:
     gemm_dtype: str
     plan_total_gb: float
     budget_gb: float
+    report_html: str | None = None  # the published report, fetched (a file a browser opens)
 
     def line(self) -> str:
         healthy = sum(n.healthy for n in self.nodes)
@@ -104,20 +106,10 @@ STAGES = (TokenizeSummary, PreflightSummary, TrainSummary, ValidateSummary, Eval
 KINDS = {cls.__name__: cls for cls in STAGES}
 
 
-def _plain(value):
-    """JSON without NaN (KFP's metadata is a protobuf Struct): a NaN or infinity travels as None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
 def attach(artifact, summary) -> None:
-    """Put `summary` into a KFP output artifact's metadata."""
-    artifact.metadata[SUMMARY] = {"kind": type(summary).__name__, **_plain(dataclasses.asdict(summary))}
+    """Put `summary` into a KFP output artifact's metadata (JSON without NaN: KFP keeps metadata
+    as a protobuf Struct; a NaN travels as None)."""
+    artifact.metadata[SUMMARY] = {"kind": type(summary).__name__, **events.strict(dataclasses.asdict(summary))}
 
 
 def read(metadata: dict):

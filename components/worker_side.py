@@ -15,6 +15,7 @@ import time
 import typing
 
 from components import events
+from components.fleet import NODE_NAMES_ENV, REPLICA_ENV
 
 # A module a worker imports when this is set in its environment and calls `install(...)` on:
 # how tests inject faults (a NaN, a dead or slow rank, a degraded node) into real runs.
@@ -66,6 +67,8 @@ def worker_spec(argv: list[str] | None, spec_type: type[WorkerSpec]):
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec-b64", required=True)
     spec = spec_type.decode(parser.parse_args(argv).spec_b64)
+    if names := os.environ.get(NODE_NAMES_ENV):  # locally: which of this host's simulated nodes this is
+        os.environ["NODE_NAME"] = names.split(",")[int(os.environ[REPLICA_ENV])]
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",

@@ -16,6 +16,7 @@ from pipelines.commands import (
     cmd_compare,
     cmd_compile,
     cmd_config,
+    cmd_nodes,
     cmd_plan,
     cmd_profile,
     cmd_render,
@@ -64,6 +65,11 @@ COMMANDS: dict[str, Command] = {
         cmd_profile,
         "profile [RUN] [--steps N] [--timeout S] [overrides]",
         "trace N steps of a running training on every rank; the profile lands in the store",
+    ),
+    "nodes": Command(
+        cmd_nodes,
+        "nodes [--clear NODE | --clear-all] [overrides]",
+        "the quarantined nodes launches keep off (why, until when); --clear lets one back",
     ),
     "compare": Command(
         cmd_compare,

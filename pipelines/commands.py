@@ -168,6 +168,33 @@ def cmd_profile(args: list[str]) -> int:
     return 0
 
 
+def cmd_nodes(args: list[str]) -> int:
+    """The nodes launches keep off: each quarantine record in the store (node, what found it,
+    since when, how long it is left, why); store.* overrides choose the store.
+
+    --clear NODE   remove NODE's record: the next launch may use it again
+    --clear-all    remove every record
+    """
+    from components import fleet
+    from components.store import open_store
+
+    node, args = _option(args, ("--clear",))
+    every = "--clear-all" in args
+    store = open_store(
+        OmegaConf.to_object(compose(_overrides_only("nodes", [a for a in args if a != "--clear-all"])).store),
+        create=False,
+    )
+    if node is not None or every:
+        gone = fleet.clear(store, None if every else [node])
+        if node is not None and not gone:
+            raise UsageError(f"no quarantine record for {node!r} (liftoff nodes lists them)")
+        print("\n".join(f"cleared {n}" for n in gone) or "no records")
+        return 0
+    records = fleet.quarantined(store)
+    print("\n".join(r.line() for r in records.values()) or "no node is quarantined")
+    return 0
+
+
 def cmd_compare(args: list[str]) -> int:
     """Runs side by side: config keys that differ, metrics with deltas against the first REF, and
     one HTML report with the tables and every run's curves overlaid.

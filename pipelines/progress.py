@@ -32,13 +32,13 @@ def shown(event: Event) -> str | None:
     """The line the quiet output shows for an event (None: not shown)."""
     f = event.fields
     if event.kind == "training":
-        how = f"fp8 ({f['fp8_recipe']}) in {f['float8_linear']} Float8Linear" if f["float8_linear"] else f["precision"]
+        how = f["precision_said"]  # the precision recipe's own words for what it made of the model
         blocks = f"{f['activation_checkpointed']}/{f['blocks']} blocks checkpointed, {f['compiled']} compiled"
         where = f"{f['nodes']} node(s) x {f['procs_per_node']} process(es) on {f['device']}"
         return f"{where}: {how}; {blocks}; {f['wrapper']}"
     if event.kind == "step":
         mfu = f"  MFU {f['mfu']:.1%}" if f.get("mfu") is not None else ""
-        left = round(f["eta_s"])
+        left = round(f["eta_s"] or 0)
         eta = f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}"
         tokens = f"{f['tokens_per_s']:,.0f} tokens/s{mfu}  {f['peak_memory_gib']:.2f} GiB"
         return f"step {f['step']}/{f['steps']}  loss {f['loss']:.4f}  {tokens}  {f['step_s']:.3f} s/step  ETA {eta}"
@@ -47,9 +47,17 @@ def shown(event: Event) -> str | None:
     return None
 
 
+def shown_safely(event: Event) -> str | None:
+    """`shown`, and None for an event it cannot word (one of another liftoff version: logged)."""
+    try:
+        return shown(event)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def shown_lines(lines: list[str]) -> list[str]:
     """What the quiet output shows of a run's captured lines (as `Console` shows them live)."""
-    return [text for e in events.events(lines) if (text := shown(e)) is not None]
+    return [text for e in events.events(lines) if (text := shown_safely(e)) is not None]
 
 
 class Console:
@@ -139,9 +147,10 @@ class Console:
                         self._reader_gone = True
         if (event := events.parse(line)) is None:
             return
-        if event.kind == "step":
-            self.last_step = int(event["step"])
-        if not self.verbose and (text := shown(event)) is not None:
+        text = shown_safely(event)
+        if event.kind == "step" and isinstance(event.get("step"), int):
+            self.last_step = event["step"]
+        if not self.verbose and text is not None:
             self.say("      " + text)
 
     def sync(self) -> list[str]:

@@ -52,10 +52,6 @@ def stage_plan(name: str, cfg) -> str:
     return ""
 
 
-def _meta(outputs: dict, name: str) -> dict:
-    return dict(getattr(outputs.get(name), "metadata", None) or {})
-
-
 def stage_result(end: StageEnd) -> str:
     """What a stage that succeeded produced: the typed summary it put in its outputs."""
     found = summaries.find(end.outputs)
@@ -129,10 +125,11 @@ def keep_outputs(folder: Path, ends: dict[str, StageEnd], store) -> dict[str, Pa
         src = getattr(ends.get(stage, StageEnd(stage, False, 0, False)).outputs.get(output), "path", None)
         if src and Path(src).is_file():
             kept[name] = Path(shutil.copyfile(src, folder / name))
-    preflight_html = _meta(ends["preflight"].outputs, "report").get("report_html") if "preflight" in ends else None
+    said = {name: summaries.find(end.outputs) for name, end in ends.items()}
+    preflight_html = getattr(said.get("preflight"), "report_html", None)
     if preflight_html and Path(preflight_html).is_file():  # the copy preflight published to the store
         kept["preflight.html"] = Path(shutil.copyfile(preflight_html, folder / "preflight.html"))
-    model_ref = _meta(ends["train"].outputs, "trained_model").get("ref") if "train" in ends else None
+    model_ref = getattr(said.get("train"), "model", None)
     if model_ref:
         events = store.fetch(store.manifest(Ref.parse(model_ref))) / "tensorboard"
         if any(events.glob("events.*")):

@@ -31,18 +31,25 @@ def test_a_stage_hands_back_its_compute_time_or_the_exception_it_ended_with():
     assert (event.kind, event["stage"], event["type"]) == ("failed", "validate", "ValueError")
     # kfp.local indents a task's output: what `liftoff run` prints of it
     lines = [f"    {ln}" for ln in failed.stdout.splitlines()]
-    assert failure_cause(lines) == "ValueError: config problems: train.steps: must be positive; data.seq_len: too long"
+    expected = "ValueError: config problems: train.steps: must be positive; data.seq_len: too long; more"
+    assert failure_cause(lines) == expected
 
 
 def test_a_launch_errors_cause_leaves_the_log_tail_out():
-    from components.launcher import LaunchError
+    """The launcher's message quotes the failing replica's last lines; its `failed` event
+    carries the cause alone, as the launcher built it (not cut out of the message)."""
+    from components.failures import describe_failure
 
-    failed = run_stage(
-        "from components.launcher import LaunchError\n"
-        "raise LaunchError('train-1 ended FAILED: replica 1 failed; last log lines:\\n  | NotFound: x')"
-    )
-    assert failure_cause(failed.stdout.splitlines()) == "LaunchError: train-1 ended FAILED: replica 1 failed"
-    assert LaunchError("").summary == "LaunchError"
+    report = events.line("rank_failed", rank="1", time=1796214013.0, type="NotFound", message="no version x")
+    from components.failures import _reported_failure
+
+    tails = {1: ["booting", report, "bye"]}
+    head, message = describe_failure("train-1", None, tails, 5, {1: [_reported_failure(1, report)]})
+    assert message.startswith(head + "; last log lines:\n") and "  | bye" in message
+    code = f"from components.launcher import LaunchError\nraise LaunchError({message!r}, summary={head!r})"
+    failed = run_stage(code)
+    assert failure_cause(failed.stdout.splitlines()) == f"LaunchError: {head}"
+    assert "first failure: replica 1 rank 1" in head and "NotFound: no version x" in head
 
 
 def test_only_events_are_shown_and_a_truncated_or_foreign_line_is_none():
@@ -53,9 +60,12 @@ def test_only_events_are_shown_and_a_truncated_or_foreign_line_is_none():
         "    [0]:" + events.line("step", **step),
         events.line("step", **step)[:-5],  # cut off mid-record
         'liftoff-event ["not", "a", "record"]',
+        events.line("training", nodes=2),  # fields missing (another version's event): not shown, no error
+        events.line("step", **{**step, "eta_s": float("nan")}),  # NaN travels as null
         events.line("relaunch", job="train-ab", attempt=1, attempts=2, cause="RuntimeError: boom"),
     ]
     assert shown_lines(lines) == [
         "step 3/10  loss 5.2500  1,234 tokens/s  0.50 GiB  0.250 s/step  ETA 1:02:05",
+        "step 3/10  loss 5.2500  1,234 tokens/s  0.50 GiB  0.250 s/step  ETA 0:00:00",
         "train-ab failed (attempt 1 of 2); relaunching: RuntimeError: boom",
     ]

@@ -15,6 +15,8 @@ from typing import Any
 # between keys (warmup < steps, heads divisible by kv heads) are rules.py's, GROUP_RULES;
 # a test asserts every numeric field is here or in NOT_BOUNDED.
 BOUNDS: dict[str, str | tuple[str, str]] = {
+    "cluster.spare_nodes": ">= 0",
+    "cluster.quarantine_ttl_h": ">= 0",
     "data.min_chars": ">= 1",
     "data.max_doc_bytes": ">= 1",
     "data.val_fraction": "(0, 1)",

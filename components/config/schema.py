@@ -189,6 +189,8 @@ class ClusterConfig:
     mem_mb: int = MISSING
     rdzv_port: int = MISSING  # 0: a free port per job
     max_restarts: int = MISSING
+    spare_nodes: int = MISSING  # local_cwd: simulated nodes beyond `nodes`, standing in for excluded ones
+    quarantine_ttl_h: float = MISSING  # how long a finding keeps a node out of launches (0: none recorded)
     node_selector: dict[str, str] = MISSING
     gpu_type: str | None = MISSING  # "H200": the planner's device (components/devices.py); None: none known
     # the fabric and the disks, on every replica pod (components/k8s.py `finish_job`)

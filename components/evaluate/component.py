@@ -17,13 +17,13 @@ def evaluate(
     from components.evaluate.stage import run_evaluate
     from components.task import input_ref, stage_task
 
-    model_ref = input_ref(validated_model)
     with stage_task("evaluate", eval=eval, store=store) as task:
+        model_ref = input_ref(validated_model)
         result = run_evaluate(model_ref, task.groups["eval"], task.store)
-    for name, value in result.metrics.items():
-        metrics.log_metric(name, float(value))
-    Path(report.path).write_text(result.html)  # the UI's copy; kfp.local names it `report`, no extension
-    report.metadata.update({"ref": str(result.manifest.ref), "report_html": str(result.report_path)})
-    m = result.metrics
-    summaries.attach(report, summaries.EvaluateSummary(m["val_loss"], m["val_perplexity"]))
+        for name, value in result.metrics.items():
+            metrics.log_metric(name, float(value))
+        Path(report.path).write_text(result.html)  # the UI's copy; kfp.local names it `report`, no extension
+        report.metadata.update({"ref": str(result.manifest.ref), "report_html": str(result.report_path)})
+        m = result.metrics
+        summaries.attach(report, summaries.EvaluateSummary(m["val_loss"], m["val_perplexity"]))
     return str(result.manifest.ref)

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from components.model_math import host_memory_bytes
 from components.precision import Recipe
-from components.preflight.plan import host_memory_gb
 
 GEMM = "gemm_tflops_"  # + the precision recipe's name
 BUSBW = "allreduce_busbw_gbps"  # + _<MB>mb per message size
@@ -114,7 +114,7 @@ def host_facts(device: torch.device, checkpoint_dir: Path) -> dict:
     if device.type == "cuda":
         facts["device_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 1e9
     else:
-        facts["device_memory_gb"] = host_memory_gb()
+        facts["device_memory_gb"] = host_memory_bytes() / 1e9
     return facts
 
 

@@ -43,7 +43,7 @@ def preflight(
         Path(report.path).write_text(result.markdown)  # the UI's; the store has it as HTML too
         report.metadata.update({"report_html": str(result.report_path)})
         gate(result)  # raises (inside the task: its `failed` event): no verdict, so train cannot start
-        passed = {"passed": True, "dataset": dataset.metadata.get("ref"), "healthy": result.healthy}
+        passed = {"passed": True, "dataset": ref, "healthy": result.healthy}
         excluded = {"unhealthy": result.unhealthy, "excluded_hosts": result.excluded_hosts}  # train stays off these
         Path(verdict.path).write_text(json.dumps({**passed, **excluded}, indent=2))
         verdict.metadata.update({"passed": True, "excluded_nodes": sorted(result.unhealthy)})

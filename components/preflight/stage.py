@@ -8,9 +8,10 @@ import logging
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from components import fleet
 from components.config import (
     ClusterConfig,
     ModelConfig,
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 class PreflightFailed(RuntimeError):
     """The fleet or the plan is not fit to train; the message is the readable summary."""
 
+    def __init__(self, problems: list[str]):
+        super().__init__("preflight failed:\n- " + "\n- ".join(problems))
+        self.summary = "preflight failed: " + "; ".join(problems)  # one line (the `failed` event's)
+
 
 @dataclass
 class PreflightResult:
@@ -46,6 +51,7 @@ class PreflightResult:
     seconds: float
     ref: Ref | None = None  # the nodes' measurements in the store
     report_path: Path | None = None  # the published report.html, fetched: a file a browser opens
+    quarantined: dict = field(default_factory=dict)  # node -> its quarantine record: not launched on
     markdown: str | None = None  # the report, as published (the KFP UI shows it)
     problems: list[str] | None = None  # why the gate fails, judged once when the report is made
 
@@ -59,8 +65,8 @@ class PreflightResult:
 
     @property
     def excluded_hosts(self) -> list[str]:
-        """The Kubernetes nodes training must not run on: any of whose devices failed."""
-        return sorted({v.host for v in self.verdicts if not v.healthy})
+        """The nodes training must not run on: any of whose devices failed, and the quarantined."""
+        return sorted({v.host for v in self.verdicts if not v.healthy} | set(self.quarantined))
 
 
 def gemm_dtype(nodes: list[NodeMeasurement], precision: Precision) -> str:
@@ -93,7 +99,9 @@ def summary(result: PreflightResult, cfg: PreflightConfig, precision: Precision)
         )
         for n, v in zip(measured, result.verdicts, strict=True)
     ]
-    return PreflightSummary(rows, dtype, result.plan.total_gb, result.device_memory_gb * cfg.memory_safety)
+    budget = result.device_memory_gb * cfg.memory_safety
+    report = str(result.report_path) if result.report_path else None
+    return PreflightSummary(rows, dtype, result.plan.total_gb, budget, report)
 
 
 def report_markdown(result: PreflightResult, cfg: PreflightConfig, problems: list[str] | None = None) -> str:
@@ -188,6 +196,8 @@ def run_preflight(
 ) -> PreflightResult:
     t0 = time.perf_counter()
     launch = preflight_launch(dataset, train, cluster, cfg, store_cfg)
+    held_out = fleet.quarantined(store)  # measured again only once their records expire or are cleared
+    launch.exclude_nodes = tuple(sorted(held_out))
     spec = launch.spec
     run_app(launch)
     published = store.manifest(Ref("preflight", spec.name, spec.run_id))
@@ -211,6 +221,8 @@ def run_preflight(
         busbw_gbps=busbw if world > 1 else None,
     )
     result = PreflightResult(nodes, verdicts, step_plan, device_gb, time.perf_counter() - t0, published.ref)
+    result.quarantined = {n: r.reason for n, r in held_out.items()}
+    record_unhealthy(store, verdicts, cluster.quarantine_ttl_h)
     if cfg.quarantine and cluster.scheduler == Scheduler.kubernetes and result.unhealthy:
         from components.preflight.quarantine import quarantine_nodes
 
@@ -221,6 +233,15 @@ def run_preflight(
     return result
 
 
+def record_unhealthy(store: ArtifactStore, verdicts: list[NodeVerdict], ttl_h: float) -> None:
+    """A quarantine record for each node with an unhealthy device: the next launches keep off it."""
+    if ttl_h <= 0:
+        return
+    for host in sorted({v.host for v in verdicts if not v.healthy}):
+        reasons = [r for v in verdicts if v.host == host for r in v.reasons]
+        fleet.quarantine(store, host, "preflight", "; ".join(reasons), ttl_h * 3600, {"reasons": reasons})
+
+
 def gate(result: PreflightResult) -> None:
     """Stop the run before training when the fleet or the plan cannot work (as judged once,
     by `run_preflight`, for its report)."""
@@ -228,14 +249,14 @@ def gate(result: PreflightResult) -> None:
     if problems is None:
         raise ValueError("preflight: the gate has not judged this result (run_preflight judges it)")
     if problems:
-        raise PreflightFailed("preflight failed:\n- " + "\n- ".join(problems))
+        raise PreflightFailed(problems)
 
 
 def gate_problems(result: PreflightResult, cfg: PreflightConfig) -> list[str]:
     """Why the fleet or the plan cannot train (none: the gate passes)."""
     problems = []
     hosts = {v.host for v in result.verdicts}
-    healthy = len(hosts) - len(result.excluded_hosts)  # a node with one bad device is excluded whole
+    healthy = len(hosts - {v.host for v in result.verdicts if not v.healthy})  # one bad device excludes its node
     # null: every node (the gang asks for cluster.nodes; an excluded one could leave it unschedulable)
     need = len(hosts) if cfg.min_healthy_nodes is None else cfg.min_healthy_nodes
     if healthy < need:

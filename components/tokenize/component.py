@@ -18,11 +18,12 @@ def tokenize_plan(data: dict, tokenizer: dict, model: dict, store: dict, plan: O
     with stage_task("tokenize-plan", data=data, tokenizer=tokenizer, model=model, store=store) as task:
         g = task.groups
         made, stored = make_plan(g["data"], g["tokenizer"], g["model"], task.store)
-    ref = str(made.tokenizer)
-    with open(plan.path, "w") as f:
-        json.dump({"ref": ref, "dataset": str(made.dataset), "shards": made.shards}, f)
-    plan.metadata.update({"ref": ref, "dataset": str(made.dataset), "shards": made.shards, "reused": stored})
-    return [{"plan": ref, "index": i} for i in range(made.shards)]
+        ref = str(made.tokenizer)
+        with open(plan.path, "w") as f:
+            json.dump({"ref": ref, "dataset": str(made.dataset), "shards": made.shards}, f)
+        plan.metadata.update({"ref": ref, "dataset": str(made.dataset), "shards": made.shards, "reused": stored})
+        items = [{"plan": ref, "index": i} for i in range(made.shards)]
+    return items
 
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
@@ -33,8 +34,9 @@ def tokenize_shard(shard: dict, data: dict, store: dict) -> str:
     from components.tokenize.plan import load_plan
     from components.tokenize.shard import run_shard
 
-    index = int(shard["index"])  # KFP hands loop items over as JSON numbers (floats)
-    with stage_task("tokenize-shard", f"tokenize-shard-{index}", data=data, store=store) as task:
+    directory = f"tokenize-shard-{int(shard['index'])}"  # KFP hands loop items over as JSON numbers (floats)
+    with stage_task("tokenize-shard", directory, data=data, store=store) as task:
+        index = int(shard["index"])
         manifest, _ = run_shard(load_plan(task.store, shard["plan"]), index, task.groups["data"], task.store)
     return str(manifest.ref)
 
@@ -60,14 +62,16 @@ def tokenize_merge(
         manifest, reused = merge_shards(
             load_plan(st, plan.metadata["ref"]), list(shards), g["data"], g["tokenizer"], st
         )
-    ref = str(manifest.ref)
-    stats = manifest.metadata["stats"]
-    with open(dataset.path, "w") as f:
-        json.dump({"ref": ref, "stats": stats, "reused": reused}, f, indent=2)
-    dataset.metadata.update({"version": manifest.ref.version, "ref": ref, "shards": stats["shards"], "reused": reused})
-    for split, s in stats["splits"].items():
-        dataset.metadata[f"{split}_blocks"] = s["blocks"]
-        dataset.metadata[f"{split}_tokens"] = s["tokens"]
-    blocks = {split: s["blocks"] for split, s in stats["splits"].items()}
-    summaries.attach(dataset, summaries.TokenizeSummary(ref, blocks.get("train", 0), blocks.get("val", 0), reused))
+        ref = str(manifest.ref)
+        stats = manifest.metadata["stats"]
+        with open(dataset.path, "w") as f:
+            json.dump({"ref": ref, "stats": stats, "reused": reused}, f, indent=2)
+        dataset.metadata.update(
+            {"version": manifest.ref.version, "ref": ref, "shards": stats["shards"], "reused": reused}
+        )
+        for split, s in stats["splits"].items():
+            dataset.metadata[f"{split}_blocks"] = s["blocks"]
+            dataset.metadata[f"{split}_tokens"] = s["tokens"]
+        blocks = {split: s["blocks"] for split, s in stats["splits"].items()}
+        summaries.attach(dataset, summaries.TokenizeSummary(ref, blocks.get("train", 0), blocks.get("val", 0), reused))
     return ref

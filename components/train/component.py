@@ -28,8 +28,8 @@ def train(
     from components.train.report import curves_html, final_metrics
     from components.train.stage import require_passing_verdict, run_train
 
-    verdict = require_passing_verdict(json.loads(Path(preflight_verdict.path).read_text()))
     with stage_task("train", data=data, model=model, train=train, cluster=cluster, store=store) as task:
+        verdict = require_passing_verdict(json.loads(Path(preflight_verdict.path).read_text()))
         g = task.groups
         result = run_train(
             input_ref(dataset),
@@ -41,29 +41,29 @@ def train(
             exclude_nodes=verdict.get("excluded_hosts", []),
             cache_gb=g["data"].cache_gb,
         )
-    ref = str(result.model.ref)
-    Path(trained_model.path).write_text(json.dumps({"ref": ref, **result.result.to_json()}, indent=2))
-    trained_model.metadata.update(
-        {
-            "ref": ref,
-            "identity": result.identity,
-            "checkpoint": result.checkpoint_version,
-            "continued": result.result.continued,
+        ref = str(result.model.ref)
+        Path(trained_model.path).write_text(json.dumps({"ref": ref, **result.result.to_json()}, indent=2))
+        trained_model.metadata.update(
+            {
+                "ref": ref,
+                "identity": result.identity,
+                "checkpoint": result.checkpoint_version,
+                "continued": result.result.continued,
+            }
+        )
+        trained_model.metadata["preflight_excluded_nodes"] = sorted(verdict.get("unhealthy", {}))
+        final = final_metrics(result.metrics)
+        for name, value in final.items():
+            metrics.log_metric(name, value)
+        figures = [final.get(k) for k in ("initial_loss", "final_loss", "tokens_per_s", "peak_memory_gb")]
+        summaries.attach(trained_model, summaries.TrainSummary(ref, result.result.continued, *figures))
+        run = {
+            "training run": result.identity,
+            "model": ref,
+            "started": result.result.continued,
+            "precision": result.result.precision,
+            "world": f"{result.result.world} ranks",
+            "steps": str(result.result.steps),
         }
-    )
-    trained_model.metadata["preflight_excluded_nodes"] = sorted(verdict.get("unhealthy", {}))
-    final = final_metrics(result.metrics)
-    for name, value in final.items():
-        metrics.log_metric(name, value)
-    figures = [final.get(k) for k in ("initial_loss", "final_loss", "tokens_per_s", "peak_memory_gb")]
-    summaries.attach(trained_model, summaries.TrainSummary(ref, result.result.continued, *figures))
-    run = {
-        "training run": result.identity,
-        "model": ref,
-        "started": result.result.continued,
-        "precision": result.result.precision,
-        "world": f"{result.result.world} ranks",
-        "steps": str(result.result.steps),
-    }
-    Path(curves.path).write_text(curves_html(result.metrics, run))
+        Path(curves.path).write_text(curves_html(result.metrics, run))
     return ref

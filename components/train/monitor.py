@@ -175,6 +175,7 @@ class Monitor:
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(self.history, "a", buffering=1)
+        self.last_z: list[float] = []  # each rank's straggler z-score at the last check
         self.hosts = [None] * world
         dist.all_gather_object(self.hosts, os.environ.get("NODE_NAME") or socket.gethostname())
 
@@ -260,6 +261,7 @@ class Monitor:
         dist.all_gather(gathered, mine)
         times = [float(t) for t in gathered]
         z_scores = leave_one_out_z(times)
+        self.last_z = z_scores
         if self.exporter is not None and self.rank == 0:
             self.exporter.stragglers(z_scores, self.hosts)
         slow = [r for r, z in enumerate(z_scores) if z > self.straggler_z]

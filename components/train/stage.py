@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from components import fleet
 from components.config import ClusterConfig, ModelConfig, Scheduler, TrainConfig, as_plain_dict, drop_none
 from components.launcher import Launch, replica_store, run_app
 from components.store import ArtifactStore, Manifest, Ref
@@ -117,6 +118,7 @@ def train_launch(
         run_dir="run",
         checkpoint_dir=str(ckpt_dir / identity),
         nodes_share_host=cluster.scheduler == Scheduler.local_cwd,
+        quarantine_ttl_s=cluster.quarantine_ttl_h * 3600,
     )
     name = f"train-{identity[:8]}"
     launch = Launch("components.train.worker", spec, cluster, name, run_dir / "logs", run_dir / "nodes", exclude_nodes)
@@ -142,6 +144,7 @@ def run_train(
         str(data_manifest.ref), model, train, cluster, store_cfg, exclude_nodes, cache_gb=cache_gb
     )
     log.info("training identity %s: run directory %s", identity, run_dir)
+    launch.quarantined = lambda: fleet.quarantined(store)  # each attempt keeps off the nodes quarantined by then
     # one run per training identity per store: a second one fails at once, naming the holder
     lease = Lease(store, identity, default_holder(launch.spec.launch_id), ttl_s=LEASE_TTL_S)
     with sigterm_exits(), lease.hold():  # a stopped driver releases the lease wherever it is stopped

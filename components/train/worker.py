@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from components import checkpoint_format, events
+from components import checkpoint_format, events, fleet
 from components.config import as_plain_dict, drop_none
 from components.train import checkpoint as ckpt
 from components.train.handback import describe, finish, hand_back, training_facts
@@ -171,6 +171,18 @@ def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
 VAL_BLOCKS = 32  # periodic validation's fixed held-out set: the val split's first blocks
 
 
+def quarantine_stragglers(job: Job, slow: list[int], step: int) -> None:
+    """Rank 0 records each straggler's node as quarantined: the next launch keeps off it."""
+    if job.rank != 0 or not slow or job.spec.quarantine_ttl_s <= 0:
+        return
+    for r in slow:
+        host = job.monitor.hosts[r]
+        evidence = {"rank": r, "step": step, "z": job.monitor.last_z[r], "threshold": job.train.straggler_zscore}
+        reason = f"straggler: rank {r}'s forward time {evidence['z']:.1f} robust SDs above its peers' at step {step}"
+        fleet.quarantine(job.store, host, "straggler", reason, job.spec.quarantine_ttl_s, evidence)
+        log.warning("quarantined node %s: %s", host, reason)
+
+
 def validates_at(step: int, interval: int, last_step: int) -> bool:
     """Whether periodic validation runs after this step: every `interval` steps (train.val_interval)
     and at the last step; never with 0."""
@@ -248,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info(step_text(figures))
             events.emit("step", **figures)
         if step % job.train.straggler_interval == 0:
-            job.monitor.check_stragglers(step)
+            quarantine_stragglers(job, job.monitor.check_stragglers(step), step)
         if validates_at(step, job.train.val_interval, job.train.steps):
             validate(job, step)
         checkpoint_or_rollback(job, state, record)

@@ -18,13 +18,13 @@ def validate(
     from components.task import input_ref, stage_task
     from components.validate.stage import run_validate
 
-    ref = input_ref(trained_model)
     with stage_task("validate", eval=eval, store=store) as task:
+        ref = input_ref(trained_model)
         result = run_validate(ref, task.groups["eval"], task.store)
-    for name, ok in result.checks.items():
-        verdict.log_metric(f"check_{name}", 1.0 if ok else 0.0)
-    for name, value in result.numbers.items():
-        verdict.log_metric(name, float(value))
-    Path(validated_model.path).write_text(json.dumps({"ref": ref, "checks": result.checks}, indent=2))
-    validated_model.metadata.update({"ref": ref})
-    summaries.attach(validated_model, summaries.ValidateSummary(dict(result.checks)))
+        for name, ok in result.checks.items():
+            verdict.log_metric(f"check_{name}", 1.0 if ok else 0.0)
+        for name, value in result.numbers.items():
+            verdict.log_metric(name, float(value))
+        Path(validated_model.path).write_text(json.dumps({"ref": ref, "checks": result.checks}, indent=2))
+        validated_model.metadata.update({"ref": ref})
+        summaries.attach(validated_model, summaries.ValidateSummary(dict(result.checks)))

@@ -51,6 +51,14 @@ def test_a_run_prints_a_status_line_per_stage_and_ends_with_the_report(default_r
         assert any(ln.startswith(f"[{i}/5] {stage} ... ") for ln in lines), stage
     assert any(ln.startswith("[3/5] train ... 2 nodes, fp8") and ln.endswith("10 steps") for ln in lines)
     assert re.search(r"^\s+ok [\d.]+ s, fresh; loss [\d.]+ -> [\d.]+", default_run.stdout, re.M)
+    # every stage's result line is its typed summary's (components/summaries.py), from its outputs
+    for said in (
+        r"dataset/kjv@\w+: [\d,]+ train / [\d,]+ val blocks",
+        r"2/2 nodes healthy, plan [\d.]+ GB per device of a [\d.]+ GB budget",
+        r"(\d+)/\1 checks passed",
+        r"val loss [\d.]+, perplexity [\d.]+",
+    ):
+        assert re.search(r"^\s+ok [\d.]+ s, " + said + "$", default_run.stdout, re.M), said
     assert re.search(r"^\s+step 10/10 ", default_run.stdout, re.M)  # the step lines still show
     assert re.search(r"^\s+node\s+verdict\s+", default_run.stdout, re.M)  # preflight's verdict table
     report = workdir / lines[-1].removeprefix("report: ")

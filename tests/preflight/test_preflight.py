@@ -76,6 +76,17 @@ def test_throttled_node_is_unhealthy_and_the_gate_stops_the_run(trainer):
     assert any("gemm_tflops" in r and "robust SDs below" in r for r in unhealthy[f"{result.nodes[1]['host']}#1"])
     with pytest.raises(PreflightFailed, match="1 healthy node\\(s\\), preflight.min_healthy_nodes=2"):
         gate(result)
+    # the finding is a quarantine record in the store: the next preflight, the fault gone, keeps
+    # off that node and measures the local fleet's spare in its place
+    from components import fleet
+
+    bad = result.nodes[1]["host"]
+    (record,) = fleet.quarantined(trainer.store).values()
+    assert (record.node, record.source) == (bad, "preflight") and "robust SDs below" in record.reason
+    _, again = preflight(trainer, "preflight.min_healthy_nodes=2")
+    hosts = [n["host"] for n in again.nodes]
+    assert bad not in hosts and len(set(hosts)) == 2 and hosts[1].endswith("-node2"), hosts
+    assert bad in again.excluded_hosts and again.problems == []
 
 
 def test_floors_above_what_the_nodes_measure_fail_the_gate_naming_the_floor(trainer):

@@ -131,3 +131,22 @@ def test_torchruns_block_gives_the_exception_of_a_rank_that_could_not_report_it(
     # the same block in a pod's log, each line after the API's timestamp
     (from_pod,) = _failures({0: [f"2026-12-02T11:02:03.123456789Z {ln}" for ln in logs[0]]})
     assert from_pod == first
+
+
+def test_a_watchdogs_stack_dump_is_kept_whole_in_the_log_tail():
+    """The stacks after a `rank_failed` record that says they follow survive the tail (up to 3n
+    lines), with the newest lines after them; other events never reach the quoted tail."""
+    from components.failures import log_tail
+
+    record = {"rank": "1", "time": 1796214013.0, "type": "WatchdogTimeout", "message": "no progress for 9s"}
+    stacks = [f'  File "worker.py", line {i}, in step' for i in range(30)]
+    lines = [f"step {i}" for i in range(50)] + [_report_line(record, stacks_follow=True), *stacks]
+    lines += [events.line("step", step=99)] + [f"after {i}" for i in range(10)]
+    tail = log_tail(lines, 5)
+    assert tail[0] == "rank 1: WatchdogTimeout: no progress for 9s; its stacks:"
+    assert tail[1:15] == stacks[:14] and tail[15] == "..." and tail[16:] == [f"after {i}" for i in range(5, 10)]
+    assert not any("liftoff-event" in ln for ln in tail)
+
+
+def _report_line(record: dict, **extra) -> str:
+    return f"[0]:2026-12-02 11:02:03,123 rank1 ERROR liftoff.failure: {events.line('rank_failed', **record, **extra)}"

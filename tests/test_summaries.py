@@ -1,0 +1,48 @@
+"""Each stage's typed summary survives the trip through KFP's artifact metadata (a protobuf
+Struct: numbers come back as floats, NaN cannot travel) and reads back as the same type."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from google.protobuf import json_format, struct_pb2
+
+from components import summaries as s
+
+
+def through_kfp(summary):
+    """Attach to an artifact, then carry its metadata as KFP does: a protobuf Struct, and back."""
+    artifact = SimpleNamespace(metadata={"ref": "x"})
+    s.attach(artifact, summary)
+    struct = struct_pb2.Struct()
+    struct.update(artifact.metadata)
+    return s.find({"out": SimpleNamespace(metadata=json_format.MessageToDict(struct))})
+
+
+def test_every_stages_summary_reads_back_as_itself_after_kfp():
+    rows = [
+        s.NodeRow("h-node0#0", True, 98.5, 2100.0, 3.1, 80.0),
+        s.NodeRow("h-node1#1", False, 10.0, None, None, 80.0, ["gemm_tflops_bf16=10 is 9.0 robust SDs below"]),
+    ]
+    stages = [
+        s.TokenizeSummary("dataset/kjv@abc", 3189, 153, True),
+        s.PreflightSummary(rows, "bf16", 1.25, 64.0, "/tmp/report.html"),
+        s.TrainSummary("model/tiny@def", "fresh", 6.93, 5.49, 5517.0, 0.53),
+        s.ValidateSummary({"hashes": True, "finite": True}),
+        s.EvaluateSummary(5.4, 221.4),
+    ]
+    for summary in stages:
+        back = through_kfp(summary)
+        assert type(back) is type(summary) and back.line() == summary.line(), summary
+    table = through_kfp(stages[1]).table()
+    assert table[0].split() == ["node", "verdict", "bf16", "TFLOP/s", "mem", "GB/s", "busbw", "GB/s", "memory", "GB"]
+    assert table[2].split()[:3] == ["h-node1#1", "UNHEALTHY", "10"] and table[-1].startswith("h-node1#1: gemm_tflops")
+
+
+def test_a_nan_loss_travels_as_none_and_reads_nan():
+    back = through_kfp(s.TrainSummary("model/tiny@def", "fresh", float("nan"), 5.0, 1.0, 0.1))
+    assert back.initial_loss is None and back.line().startswith("fresh; loss nan -> 5.00")
+
+
+def test_outputs_without_a_summary_have_none():
+    assert s.find({"a": SimpleNamespace(metadata={"ref": "x"}), "b": object()}) is None
