@@ -6,21 +6,28 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from components import events
 from components.worker_side import RANK_FAILED
 
 
-def describe_failure(name: str, status, tails: dict, tail_lines: int, failures: dict | None = None) -> tuple[str, str]:
-    """(the cause in one line, the message) of a job that did not succeed: the rank that failed
-    first (or the failing replica's own exception), then its replica's last log lines, quoted."""
+def describe_failure(
+    name: str, status, tails: dict, tail_lines: int, failures: dict | None = None
+) -> tuple[str, str, dict | None]:
+    """(the cause in one line, the message, the report of the rank a hang waited for) of a job
+    that did not succeed: the rank that failed first (or the failing replica's own exception),
+    then its replica's last log lines, quoted."""
     state = status.state.name if status else "UNKNOWN"
     ranked = first_failures(tails, failures or {})
     if ranked:  # the rank that failed first is the cause; the others failed after it
         first, *after = ranked
         seen = list(tails.get(first.replica, []))
         head = f"{name} ended {state}; first failure: {first.describe()}"
+        records = [f.record for f in ranked if f.record]
+        culprit = behind(records)
+        if culprit is not None:  # a hang: name the rank the others wait for
+            head = f"{name} ended {state}; hang: {hang_line(culprit, records)}; first failure: {first.describe()}"
         if after:
             head += " (" + "; ".join(f"{f.who()} failed after it: {f.brief()}" for f in after) + ")"
         # a replica whose log names no failure at all: its processes died without a word
@@ -30,6 +37,7 @@ def describe_failure(name: str, status, tails: dict, tail_lines: int, failures: 
             which = ", ".join(map(str, silent))
             head += f"; replica {which} logged no error (its processes killed, or its node lost?)"
     else:
+        culprit = None
         failing = _failing_replica(status)
         seen = list(tails.get(failing, [])) if failing is not None else [ln for k in sorted(tails) for ln in tails[k]]
         cause = root_cause(seen)
@@ -39,7 +47,7 @@ def describe_failure(name: str, status, tails: dict, tail_lines: int, failures: 
             + (f": {cause}" if cause else "")
         )
     quoted = "\n".join(f"  | {ln}" for ln in log_tail(seen, tail_lines))  # quoted: never read as the driver's own
-    return head, f"{head}; last log lines:\n{quoted}"
+    return head, f"{head}; last log lines:\n{quoted}", culprit
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class Failure:
     cause: str  # `Type: message`, or how the process ended
     exact: bool = True  # False: torchrun's time, in whole seconds
     order: float | None = None  # the time it is ranked by (see `torchrun_root_causes`); None: `time`
+    record: dict | None = field(default=None, compare=False)  # its own report, where it has one
 
     def __post_init__(self):
         if self.order is None:
@@ -90,7 +99,8 @@ def _reported_failure(replica: int, line: str) -> Failure | None:
     if r is None:
         return None
     try:
-        return Failure(replica, str(r["rank"]), float(r["time"]), events.one_line(f"{r['type']}: {r['message']}"))
+        cause = events.one_line(f"{r['type']}: {r['message']}")
+        return Failure(replica, str(r["rank"]), float(r["time"]), cause, record=r)
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -162,6 +172,38 @@ def _traceback_exception(lines: list[str]) -> str | None:
             break
         body.append(ln)
     return events.one_line(f"{kind.rsplit('.', 1)[-1]}: " + "\n".join(body))
+
+
+_PHASES = {"entered": 0, "waiting": 1, "done": 2}  # components/train/collectives.py
+
+
+def behind(records: list[dict]) -> dict | None:
+    """Of hung ranks' reports (each with the `collective` it is in), the one rank behind the
+    others: at an earlier collective, or at the same one but not yet in the backend while they
+    wait in it. None when no one rank is behind (all alike, or too few reports)."""
+    known = [r for r in records if isinstance(r.get("collective"), dict)]
+    if len(known) < 2:
+        return None
+    key = lambda r: (r["collective"]["seq"], _PHASES.get(r["collective"]["phase"], 3))  # noqa: E731
+    first, second = sorted(known, key=key)[:2]
+    hung = first.get("type", "WatchdogTimeout") == "WatchdogTimeout"  # a rank that raised did not hang
+    return first if hung and key(first) < key(second) else None
+
+
+def hang_line(culprit: dict, records: list[dict]) -> str:
+    """`rank 1 on node h-node1 is behind: in all_reduce #9 (loss, step 9), not yet in the backend,
+    while rank 0 waits in all_reduce #9`."""
+    c = culprit["collective"]
+    where = "not yet in the backend" if c["phase"] == "entered" else c["phase"]
+    others = [r for r in records if r is not culprit and isinstance(r.get("collective"), dict)]
+    waits = "; ".join(
+        f"rank {r['rank']} {r['collective']['phase']} in {r['collective']['op']} #{r['collective']['seq']}"
+        for r in others
+    )
+    return (
+        f"rank {culprit['rank']} on node {culprit.get('node', '?')} is behind: in {c['op']} #{c['seq']} "
+        f"({c['name']}, step {c['step']}), {where}, while {waits}"
+    )
 
 
 def first_failures(tails: dict, reported: dict) -> list[Failure]:

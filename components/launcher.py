@@ -35,9 +35,10 @@ QUIET_WARNINGS = "ignore:`broadcast_buffers` is deprecated:FutureWarning"
 class LaunchError(RuntimeError):
     """`summary`: the cause in one line, without the log tail the message quotes under it."""
 
-    def __init__(self, message: str = "", summary: str | None = None):
+    def __init__(self, message: str = "", summary: str | None = None, hung: dict | None = None):
         super().__init__(message)
         self.summary = summary or (message.splitlines() or [type(self).__name__])[0]
+        self.hung = hung  # a hang's culprit: the report of the rank its peers waited for
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Launch:
     launch_id: str = ""
     metrics_port: int = 0  # the replicas serve Prometheus metrics there: their pods carry scrape annotations
     quarantined: Callable[[], Iterable[str]] | None = None  # the nodes quarantined now (fleet.py)
+    after_failure: Callable[[LaunchError], None] | None = None  # called with each failed attempt's error
 
     def __post_init__(self):
         spec_id = getattr(self.spec, "launch_id", None) or getattr(self.spec, "run_id", None)
@@ -215,6 +217,8 @@ def run_app(launch: Launch, env: dict[str, str] | None = None) -> None:
         try:
             return run_once(launch, {**(env or {}), "LIFTOFF_ATTEMPT": str(attempt)})
         except LaunchError as e:
+            if launch.after_failure is not None:
+                launch.after_failure(e)
             if attempt == attempts - 1 or isinstance(e, Unschedulable):  # the same gang would pend again
                 raise
             log.warning("%s failed (attempt %d of %d); relaunching: %s", launch.name, attempt + 1, attempts, e.summary)
@@ -368,5 +372,5 @@ def _raise_unless_succeeded(name: str, status, tails: dict, tail_lines: int, fai
 
     if status is not None and status.state == AppState.SUCCEEDED:
         return
-    head, message = describe_failure(name, status, tails, tail_lines, failures)
-    raise LaunchError(message, summary=head)
+    head, message, hung = describe_failure(name, status, tails, tail_lines, failures)
+    raise LaunchError(message, summary=head, hung=hung)

@@ -6,6 +6,7 @@ exception ends it, which the driver reads back (`components/failures.py`)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -26,6 +27,8 @@ PLUGIN_ARGS_ENV = "LIFTOFF_WORKER_PLUGIN_ARGS"  # the plugin's own settings (whi
 # rank, the time (epoch seconds) and the exception. The driver reads it from the replica's log
 # stream (all a pod shares with it besides the store) to name the rank that failed first.
 RANK_FAILED = "rank_failed"
+# what every report of this process adds: where it is (a trainer's node and collective)
+REPORT_CONTEXT: list = []
 
 
 class WorkerSpec:
@@ -92,15 +95,20 @@ def report_uncaught_exceptions(rank: str | None = None) -> None:
     sys.excepthook = hook
 
 
-def report_failure(kind: str, message: str, rank: str | None = None, stacks_follow: bool = False) -> None:
+def report_failure(kind: str, message: str, rank: str | None = None, stacks_follow: bool = False, **extra) -> dict:
     """One `rank_failed` event for this replica's rank: the launcher ranks failures by its time,
     so a process that ends itself (the watchdog) is named before the peers its exit fails;
-    `stacks_follow`: a dump of every thread's stack comes next (log tails keep it whole).
-    Never raises: what the caller prints next (a traceback, the stacks) matters more."""
+    `stacks_follow`: a dump of every thread's stack comes next (log tails keep it whole);
+    `extra`: more of the record (a hung rank's collective). The record, or {} when it could not
+    be written: never raises, what the caller prints next (a traceback, the stacks) matters more."""
     try:
         rank = rank if rank is not None else os.environ.get("RANK", "?")
         record = {"rank": rank, "time": time.time(), "type": kind, "message": message}
-        record.update({"stacks_follow": True} if stacks_follow else {})
+        for context in REPORT_CONTEXT:
+            with contextlib.suppress(Exception):  # the report matters more than its context
+                record.update(context())
+        record.update({"stacks_follow": True} if stacks_follow else {}, **extra)
         logging.getLogger("liftoff.failure").error("%s", events.line(RANK_FAILED, **record))
+        return record
     except Exception:
-        pass
+        return {}

@@ -33,8 +33,9 @@ def fault_env(**faults) -> dict[str, str]:
     SIGKILLs itself (first attempt only); raise_rank/raise_step: that rank raises the store's
     `NotFound` (every attempt), so its peers then fail on the lost connection;
     slow_rank/slow_seconds: a slow device; hang_rank/
-    hang_step: a rank that stops making progress; throttle_node: a preflight node whose GEMMs
-    run slow."""
+    hang_step: a rank that stops making progress; stall_rank/stall_step: a rank that stops
+    inside a collective, before the backend, while its peers wait in it; throttle_node: a
+    preflight node whose GEMMs run slow."""
     return {PLUGIN_ENV: "tests.faults", FAULTS_ENV: json.dumps(faults)}
 
 
@@ -84,6 +85,16 @@ def install(job, state) -> None:
                     weight.copy_(saved.pop())
 
         job.on_step.append(nan_weight)
+
+    if job.rank == f.get("stall_rank", -1):  # stalls inside a collective, before the backend
+
+        def stall(c) -> None:
+            if c.step == f["stall_step"]:
+                log.warning("fault injection: rank %d stalls in %s #%d at step %d", job.rank, c.op, c.seq, c.step)
+                while True:
+                    time.sleep(3600)
+
+        job.collectives.before_backend.append(stall)
 
     if f.get("record_dir"):  # every block this rank trains on, by its global sample number
         record_batches(job, Path(f["record_dir"]))

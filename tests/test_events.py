@@ -44,7 +44,7 @@ def test_a_launch_errors_cause_leaves_the_log_tail_out():
     from components.failures import _reported_failure
 
     tails = {1: ["booting", report, "bye"]}
-    head, message = describe_failure("train-1", None, tails, 5, {1: [_reported_failure(1, report)]})
+    head, message, _ = describe_failure("train-1", None, tails, 5, {1: [_reported_failure(1, report)]})
     assert message.startswith(head + "; last log lines:\n") and "  | bye" in message
     code = f"from components.launcher import LaunchError\nraise LaunchError({message!r}, summary={head!r})"
     failed = run_stage(code)

@@ -20,6 +20,7 @@ from components.store import ArtifactStore, Ref, open_store
 from components.stream import StreamingBlocks, open_split
 from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
+from components.train.collectives import Tracker, hand_back_hang
 from components.train.data import BlockSampler
 from components.train.model import build_model, count_params
 from components.train.monitor import Monitor, Watchdog
@@ -28,6 +29,7 @@ from components.train.optim import build_optimizer
 from components.train.parallel import apply_compile, wrap
 from components.train.prometheus import exporter_for
 from components.train.spec import TrainSpec
+from components.worker_side import REPORT_CONTEXT
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Job:
     tokens_per_step: int
     flops_per_token: float
     float8_modules: list[str]
+    collectives: Tracker = field(default_factory=Tracker)  # liftoff's own collectives, counted (hangs)
     on_step: list = field(default_factory=list)  # callables(step), run as each step starts
     forward_dtypes: dict = field(default_factory=dict)  # dtypes seen inside a forward (mixed precision's effect)
 
@@ -126,7 +129,13 @@ def build_job(spec: TrainSpec) -> Job:
         exporter,
     )
     float8 = [clean_name(n) for n in precision.describe(model, train)["float8_linear_modules"]]  # the live model
+    tracker = Tracker()
+    node = os.environ.get("NODE_NAME") or socket.gethostname()
+    REPORT_CONTEXT.append(lambda: {"node": node, "collective": tracker.state()})  # in every failure report
+    attempt = int(os.environ.get("LIFTOFF_ATTEMPT", "0"))
+    watchdog.hand_back = lambda record: hand_back_hang(store, spec.launch_id, attempt, rank, record)
     return Job(
+        collectives=tracker,
         spec=spec,
         train=train,
         model_cfg=model_cfg,

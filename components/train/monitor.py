@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -307,6 +308,7 @@ class Watchdog(threading.Thread):
         self.timeout_s = timeout_s
         self._last = time.monotonic()
         self._stopped = threading.Event()
+        self.hand_back: Callable[[dict], None] | None = None  # the report to the store, before the exit
 
     def beat(self) -> None:
         self._last = time.monotonic()
@@ -320,8 +322,17 @@ class Watchdog(threading.Thread):
             if idle > self.timeout_s:
                 said = f"no training progress for {idle:.0f}s (train.watchdog_timeout_s={self.timeout_s})"
                 # first, with its time: the peers it fails come after
-                report_failure("WatchdogTimeout", said, stacks_follow=True)
+                record = report_failure("WatchdogTimeout", said, stacks_follow=True)
+                self._hand_back(record)
                 print(f"watchdog: {said}; stacks of all threads follow", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
                 os._exit(WATCHDOG_EXIT_CODE)
+
+    def _hand_back(self, record: dict) -> None:
+        if self.hand_back is None or not record:
+            return
+        try:
+            self.hand_back(record)
+        except Exception as e:
+            print(f"watchdog: the hang report did not reach the store: {e}", file=sys.stderr, flush=True)

@@ -80,7 +80,8 @@ def train_step(job: Job, state: TrainState) -> dict:
     t_comm = time.perf_counter()
     pending = 0.0 if job.checkpointer.pending_done() else 1.0
     loss_and_pending = torch.stack([loss_sum, torch.full((), pending, device=job.device)])  # filled on the device
-    dist.all_reduce(loss_and_pending)
+    with job.collectives.collective("all_reduce", "loss", state.step):
+        dist.all_reduce(loss_and_pending)
     loss_total, pending_ranks = loss_and_pending.tolist()
     comm_s = time.perf_counter() - t_comm
     step_loss = loss_total / job.world

@@ -1,0 +1,63 @@
+"""A hang is localised (issue 24, acceptance 4): a rank that stalls inside an all-reduce while
+its peer waits in it; the stage fails with one line naming the stalled rank, its node and the
+collective, within train.watchdog_timeout_s + 60 s; its report and a quarantine of its node
+are in the store."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from components import fleet
+from components.failures import behind
+from components.launcher import LaunchError
+from components.train.collectives import HANGS
+from tests.faults import injected
+
+TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
+
+
+def test_a_rank_stalled_in_an_all_reduce_is_named_with_its_node_and_the_collective(trainer):
+    node = f"{socket.gethostname()}-node1"
+    overrides = [
+        "train.steps=10",
+        "train.watchdog_timeout_s=8",
+        "cluster.max_restarts=0",
+        "train.checkpoint_interval=100",
+    ]
+    with injected(stall_rank=1, stall_step=5), pytest.raises(LaunchError) as failed:
+        started = time.monotonic()
+        trainer.run(*TWO_NODES, *overrides)
+    assert time.monotonic() - started < 8 + 60 + 30  # + the launch and the first steps
+    first = str(failed.value).splitlines()[0]
+    said = (
+        f"hang: rank 1 on node {node} is behind: in all_reduce #5 (loss, step 5), not yet in the backend, while rank 0"
+    )
+    assert said in first and "all_reduce #5" in first.split("while rank 0", 1)[1], first
+    # the stalled rank's own report, in the store
+    reports = [k for k in trainer.store.backend.list_sizes(HANGS) if k.endswith("rank1.json")]
+    assert reports, "no hang report of rank 1 in the store"
+    record = json.loads(trainer.store.backend.get_bytes(f"{HANGS}/{reports[0]}"))
+    assert record["collective"] | {"since": 0} == {
+        "seq": 5, "op": "all_reduce", "name": "loss", "step": 5, "phase": "entered", "since": 0
+    } and record["node"] == node  # fmt: skip
+    # and the loop closes: the next launch keeps off its node
+    quarantined = fleet.quarantined(trainer.store)
+    assert list(quarantined) == [node] and quarantined[node].source == "hang"
+
+
+def _report(rank, seq, phase):
+    collective = {"seq": seq, "op": "all_reduce", "name": "loss", "step": seq, "phase": phase, "since": 0.0}
+    return {"rank": str(rank), "node": f"n{rank}", "collective": collective}
+
+
+def test_the_rank_behind_is_the_one_at_an_earlier_collective_or_not_yet_in_the_backend():
+    assert behind([_report(0, 7, "waiting"), _report(1, 6, "done")])["rank"] == "1"
+    assert behind([_report(0, 7, "waiting"), _report(1, 7, "entered"), _report(2, 7, "waiting")])["rank"] == "1"
+    assert behind([_report(0, 7, "waiting"), _report(1, 7, "waiting")]) is None  # alike: no one is behind
+    assert behind([_report(0, 7, "waiting"), {"rank": "1", "type": "RuntimeError"}]) is None  # one report only
+    raised = {**_report(1, 6, "done"), "type": "NotFound"}  # behind, but it raised: the first failure, no hang
+    assert behind([_report(0, 7, "waiting"), raised]) is None
