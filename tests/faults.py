@@ -35,7 +35,8 @@ def fault_env(**faults) -> dict[str, str]:
     slow_rank/slow_seconds: a slow device; hang_rank/
     hang_step: a rank that stops making progress; stall_rank/stall_step: a rank that stops
     inside a collective, before the backend, while its peers wait in it; throttle_node: a
-    preflight node whose GEMMs run slow."""
+    preflight node whose GEMMs run slow; perturb_node/perturb_op: a preflight node whose
+    numerics battery op is one ulp off in one element."""
     return {PLUGIN_ENV: "tests.faults", FAULTS_ENV: json.dumps(faults)}
 
 
@@ -151,9 +152,20 @@ def read_batches(out: Path) -> dict[int, list[tuple[str, int]]]:
 
 
 def install_preflight(rank: int) -> None:
-    """The throttled node's GEMMs each take 0.5 s longer, as a degraded device would."""
+    """The throttled node's GEMMs each take 0.5 s longer, as a degraded device would; the
+    perturbed node's `perturb_op` (numerics battery) returns one element one ulp off."""
     from components.precision import RECIPES
+    from components.preflight import numerics
 
+    if rank == _faults().get("perturb_node", -1):
+        op = _faults().get("perturb_op", "sdpa")
+
+        def perturbed(args, run=numerics.RUN[op]):
+            y = run(args).clone()
+            y.view(-1)[0] = torch.nextafter(y.view(-1)[0], torch.tensor(float("inf"), dtype=y.dtype))
+            return y
+
+        numerics.RUN[op] = perturbed
     if rank != _faults().get("throttle_node", -1):
         return
     for precision in RECIPES.values():

@@ -38,6 +38,7 @@ def test_help_lists_every_command_on_one_line(capsys):
         "run",
         "plan",
         "artifacts",
+        "nodes",
         "compile",
         "render",
         "upload",

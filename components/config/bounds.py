@@ -16,6 +16,7 @@ from typing import Any
 # a test asserts every numeric field is here or in NOT_BOUNDED.
 BOUNDS: dict[str, str | tuple[str, str]] = {
     "cluster.spare_nodes": ">= 0",
+    "preflight.numerics_s": ">= 0",
     "cluster.quarantine_ttl_h": ">= 0",
     "data.min_chars": ">= 1",
     "data.max_doc_bytes": ">= 1",

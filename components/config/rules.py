@@ -146,8 +146,6 @@ def cluster_rules(cluster: ClusterConfig) -> list[str]:
         ("cluster.gpu_type", c.gpu_type is None or device(c.gpu_type) is not None,
          f"unknown {c.gpu_type!r}: one of {known}, or null (then preflight.device_memory_gb "
          "and train.peak_tflops)"),
-        ("cluster.spare_nodes", c.spare_nodes == 0 or getattr(c.scheduler, "value", c.scheduler) == "local_cwd",
-         "local_cwd only (a Kubernetes cluster's spare nodes are its node pool): set it to 0"),
         ("cluster.image_pull_policy", c.image_pull_policy in PULL_POLICIES,
          f"must be one of {', '.join(PULL_POLICIES)}, got {c.image_pull_policy!r}"),
         ("cluster.env", not reserved, f"{', '.join(reserved)} set by liftoff itself: not configurable"),

@@ -153,6 +153,7 @@ class PreflightConfig:
     memory_safety: float = MISSING
     device_memory_gb: float | None = MISSING  # None: measured (GPU) or host memory (CPU)
     quarantine: bool = MISSING
+    numerics_s: float = MISSING  # seconds of the numerics battery on every device (0: off)
 
     def check(self, cluster: ClusterConfig | None = None) -> list[str]:
         return rules.preflight_rules(self, cluster=cluster)
@@ -189,7 +190,7 @@ class ClusterConfig:
     mem_mb: int = MISSING
     rdzv_port: int = MISSING  # 0: a free port per job
     max_restarts: int = MISSING
-    spare_nodes: int = MISSING  # local_cwd: simulated nodes beyond `nodes`, standing in for excluded ones
+    spare_nodes: int = MISSING  # local_cwd: simulated nodes beyond `nodes` for excluded ones (Kubernetes: unused)
     quarantine_ttl_h: float = MISSING  # how long a finding keeps a node out of launches (0: none recorded)
     node_selector: dict[str, str] = MISSING
     gpu_type: str | None = MISSING  # "H200": the planner's device (components/devices.py); None: none known

@@ -96,6 +96,11 @@ def allreduce_busbw(sizes_mb: list[float], device: torch.device, iters: int = 5)
     return out
 
 
+def accelerator(device: torch.device) -> str:
+    """The kind of device, as the verdict groups devices: the GPU's name, or the CPU's machine."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{platform.machine()}"
+
+
 def host_facts(device: torch.device, checkpoint_dir: Path) -> dict:
     shm = shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else 0
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -107,7 +112,7 @@ def host_facts(device: torch.device, checkpoint_dir: Path) -> dict:
         "free_disk_gb": shutil.disk_usage(checkpoint_dir).free / 1e9,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{platform.machine()}",
+        "accelerator": accelerator(device),
         "cuda": torch.version.cuda or "none",
         "driver": _driver_version() if device.type == "cuda" else "none",
     }

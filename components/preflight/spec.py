@@ -16,3 +16,4 @@ class PreflightSpec(WorkerSpec):
     name: str  # the fleet's name: preflight/<name>@<run_id> holds every process's numbers
     run_id: str
     checkpoint_dir: str  # the disk checkpoints land on, inside the replica
+    dtype: str = "float32"  # the training precision's compute dtype: the numerics battery's

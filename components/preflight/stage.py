@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from components import fleet
 from components.config import (
     ClusterConfig,
@@ -23,6 +25,7 @@ from components.config import (
 )
 from components.launcher import Launch, replica_store, run_app
 from components.precision import recipe
+from components.preflight import bench, numerics
 from components.preflight.bench import NodeMeasurement
 from components.preflight.plan import Plan, fits, plan
 from components.preflight.plan_format import format_plan
@@ -179,6 +182,7 @@ def preflight_launch(
         name=f"{cluster.scheduler.value}-{cluster.nodes}n",
         run_id=run_id,
         checkpoint_dir=train.checkpoint_dir or ".",  # the disk checkpoints land on, in the replica
+        dtype=recipe(train.precision).compute_dtype,
     )
     log_dir = Path(train.run_dir).resolve() / "preflight" / run_id
     name = f"preflight-{run_id[-8:]}"
@@ -203,7 +207,9 @@ def run_preflight(
     published = store.manifest(Ref("preflight", spec.name, spec.run_id))
     nodes = json.loads((store.fetch(published) / "nodes.json").read_text())
     floors, floors_from = floors_for(cfg, cluster.gpu_type, cluster.nodes)
-    verdicts = judge(nodes, cfg, floors, floors_from)
+    # the driver runs the battery too where it is the nodes' kind of device: their bitwise reference
+    reference = numerics.reference(nodes, bench.accelerator(torch.device("cpu"))) if cfg.numerics_s > 0 else None
+    verdicts = judge(nodes, cfg, floors, floors_from, reference)
     healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes
     tflops, busbw = plan_inputs(healthy_nodes, train.precision)
     device_gb = cfg.device_memory_gb or min(n["device_memory_gb"] for n in nodes)

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from components.config import PERF_METRICS, PreflightConfig
+from components.preflight import numerics
 from components.preflight.bench import BUSBW, NodeMeasurement
 from components.robust import robust_z
 
@@ -56,10 +57,15 @@ def judge(
     cfg: PreflightConfig,
     floors: dict[str, float] | None = None,
     floors_from: str = "preflight.floors",
+    reference: dict | None = None,
 ) -> list[NodeVerdict]:
-    """`floors`: the absolute minimums (`floors_for`); None: `preflight.floors` as given."""
+    """`floors`: the absolute minimums (`floors_for`); None: `preflight.floors` as given;
+    `reference`: the driver's own numerics battery (numerics.reference), where it has one."""
     floors = dict(cfg.floors) if floors is None else floors
     verdicts = [NodeVerdict(n["rank"], n["host"]) for n in nodes]
+    for i, reasons in numerics.problems(nodes, reference).items():
+        for reason in reasons:
+            verdicts[i].fail(reason)
     for i, (node, verdict) in enumerate(zip(nodes, verdicts, strict=True)):
         for metric, value in perf_metrics(node).items():
             peers = [float(other[metric]) for j, other in enumerate(nodes) if j != i and metric in other]

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from components.config import PreflightConfig
 from components.distributed import init_distributed
 from components.precision import RECIPES
-from components.preflight import bench
+from components.preflight import bench, numerics
 from components.preflight.spec import PreflightSpec
 from components.store import Ref, open_store
 from components.stream import shard_table
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     node = measure_device(cfg, spec, rank, device, store)
     sizes = cfg.allreduce_sizes_mb_gpu if device.type == "cuda" else cfg.allreduce_sizes_mb
     node.update(bench.allreduce_busbw(sizes, device))
+    if cfg.numerics_s > 0:  # the same operators on the same inputs on every device: compared in the verdict
+        node["numerics"] = numerics.measure(cfg.numerics_s, device, spec.dtype)
     node["rank"] = rank
     nodes = [None] * world
     dist.all_gather_object(nodes, node)

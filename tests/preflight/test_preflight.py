@@ -237,3 +237,27 @@ def test_the_report_is_published_as_html_whether_or_not_the_gate_passes(tmp_path
     page.feed(path.read_text())
     assert {"style", "h1", "table", "th", "td", "pre"} <= set(page.tags)
     assert "h0#0" in page.text and "h1#1" in page.text and ("passed" if passed else "planned memory") in page.text
+
+
+def test_a_device_one_ulp_off_in_sdpa_is_unhealthy_and_training_keeps_off_its_node(trainer):
+    """Issue 24, acceptance 1: node 1's SDPA in the numerics battery returns one element one
+    ulp off (silent data corruption); its verdict names the operator, the other node passes,
+    and the train job launched with the verdict runs on node 0 and the local fleet's spare."""
+    from components import fleet
+    from components.launcher import build_app
+    from components.train.stage import train_launch
+
+    with injected(perturb_node=1, perturb_op="sdpa"):
+        cfg, result = preflight(trainer, "preflight.min_healthy_nodes=1", "preflight.numerics_s=0.5")
+    bad, good = result.nodes[1]["host"], result.nodes[0]["host"]
+    assert list(result.unhealthy) == [f"{bad}#1"], result.unhealthy
+    (reason,) = result.unhealthy[f"{bad}#1"]
+    assert reason == "numerics: sdpa in float32 differs bitwise from this device type's reference run"
+    assert result.problems == [] and result.excluded_hosts == [bad]
+    assert result.nodes[0]["numerics"]["rounds"] >= 1 and result.nodes[0]["numerics"]["allreduce_exact"]
+    _, _, launch = train_launch(
+        trainer.dataset, cfg.model, cfg.train, cfg.cluster, trainer.store_cfg, result.excluded_hosts, cache_gb=1.0
+    )
+    app = build_app(launch.module, launch.spec, cfg.cluster, launch.name, {}, exclude=launch.exclude_nodes)
+    names = app.roles[0].env[fleet.NODE_NAMES_ENV].split(",")
+    assert bad not in names and names[0] == good and len(names) == 2
