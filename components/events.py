@@ -58,7 +58,7 @@ def parse(text: str) -> Event | None:
         return None
     try:
         record = json.loads(text[at + len(MARK) :])
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
         return None

@@ -181,13 +181,18 @@ def behind(records: list[dict]) -> dict | None:
     """Of hung ranks' reports (each with the `collective` it is in), the one rank behind the
     others: at an earlier collective, or at the same one but not yet in the backend while they
     wait in it. None when no one rank is behind (all alike, or too few reports)."""
-    known = [r for r in records if isinstance(r.get("collective"), dict)]
+    known = [r for r in records if isinstance(r.get("collective"), dict) and _well_formed(r["collective"])]
     if len(known) < 2:
         return None
     key = lambda r: (r["collective"]["seq"], _PHASES.get(r["collective"]["phase"], 3))  # noqa: E731
     first, second = sorted(known, key=key)[:2]
-    hung = first.get("type", "WatchdogTimeout") == "WatchdogTimeout"  # a rank that raised did not hang
+    # a rank that raised did not hang; one stuck before the backend did, however it was ended
+    hung = first.get("type", "WatchdogTimeout") == "WatchdogTimeout" or first["collective"]["phase"] == "entered"
     return first if hung and key(first) < key(second) else None
+
+
+def _well_formed(c: dict) -> bool:
+    return isinstance(c.get("seq"), int) and c.get("phase") in _PHASES and all(k in c for k in ("op", "name", "step"))
 
 
 def hang_line(culprit: dict, records: list[dict]) -> str:

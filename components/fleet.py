@@ -58,12 +58,21 @@ def quarantined(store, now: float | None = None) -> dict[str, Quarantine]:
     found = {}
     for name in sorted(store.backend.list_sizes(QUARANTINE)):
         try:
-            record = Quarantine(**json.loads(store.backend.get_bytes(f"{QUARANTINE}/{name}")))
-        except (ValueError, TypeError, KeyError, FileNotFoundError):
-            continue
+            record = _checked(json.loads(store.backend.get_bytes(f"{QUARANTINE}/{name}")))
+        except (ValueError, TypeError, KeyError, AttributeError, FileNotFoundError):
+            continue  # nothing read from the store is trusted: a record that does not check keeps no node out
         if record.expires > now:
             found[record.node] = record
     return found
+
+
+def _checked(raw: dict) -> Quarantine:
+    record = Quarantine(**raw)
+    if not isinstance(record.node, str) or not isinstance(record.evidence, dict):
+        raise TypeError("not a quarantine record")
+    return Quarantine(
+        record.node, str(record.source), str(record.reason), float(record.at), float(record.expires), record.evidence
+    )
 
 
 def clear(store, nodes: list[str] | None = None) -> list[str]:

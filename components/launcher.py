@@ -218,7 +218,10 @@ def run_app(launch: Launch, env: dict[str, str] | None = None) -> None:
             return run_once(launch, {**(env or {}), "LIFTOFF_ATTEMPT": str(attempt)})
         except LaunchError as e:
             if launch.after_failure is not None:
-                launch.after_failure(e)
+                try:
+                    launch.after_failure(e)
+                except Exception as hook_error:  # the failure matters more than what follows it
+                    log.warning("%s: after its failed attempt: %s", launch.name, hook_error)
             if attempt == attempts - 1 or isinstance(e, Unschedulable):  # the same gang would pend again
                 raise
             log.warning("%s failed (attempt %d of %d); relaunching: %s", launch.name, attempt + 1, attempts, e.summary)

@@ -118,9 +118,12 @@ def read(metadata: dict):
     cls = KINDS.get(record.pop("kind", None))
     if cls is None:
         return None
-    if cls is PreflightSummary:
-        record["nodes"] = [NodeRow(**n) for n in record["nodes"]]
-    return cls(**record)
+    try:
+        if cls is PreflightSummary:
+            record["nodes"] = [NodeRow(**n) for n in record["nodes"]]
+        return cls(**record)
+    except (TypeError, KeyError):  # another version's summary (a cached task): none to show
+        return None
 
 
 def find(outputs: dict):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from components import summaries
 from components.config import compose_choices, group_dicts
 from components.local_pod import TASK_ROOT_ENV
 from components.store import Ref, open_store
@@ -74,7 +75,7 @@ def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False
                 failed, where = stages.failed, f"(full log: {display_path(log_path)})"
                 if failed is None:
                     raise RunFailed(f"{plain(str(e).splitlines()[0])} {where}") from None
-                cause = failed.cause or "its process ended without a Python exception"
+                cause = failed.cause or "it handed back no cause (it ended before its stage began, or was killed)"
                 raise RunFailed(f"stage {failed.name} failed: {cause} {where}") from None
         files = keep_outputs(folder, stages.ends, store)  # before the tasks' directories go
     eval_ref = task.output if isinstance(task.output, str) else task.outputs["Output"]
@@ -113,7 +114,7 @@ def _newest_checkpoint(cfg: DictConfig, stages: StageLines, store) -> str | None
     from components.train.stage import training_identity
 
     tokenize = stages.ends.get("tokenize")
-    dataset = getattr(tokenize.outputs.get("dataset"), "metadata", {}).get("ref") if tokenize else None
+    dataset = getattr(summaries.find(tokenize.outputs), "ref", None) if tokenize else None  # its TokenizeSummary
     if not dataset:
         return None
     identity = training_identity(dataset, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.train))

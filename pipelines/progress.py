@@ -51,7 +51,7 @@ def shown_safely(event: Event) -> str | None:
     """`shown`, and None for an event it cannot word (one of another liftoff version: logged)."""
     try:
         return shown(event)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, ArithmeticError):  # ArithmeticError: an infinite ETA
         return None
 
 
@@ -233,7 +233,7 @@ def failure_cause(lines: list[str]) -> str | None:
     """The exception a stage ended with, `Type: message`, from the `failed` event its
     stage_task handed back (the last, should a task's output hold several)."""
     failed = events.events(lines, "failed")
-    return f"{failed[-1]['type']}: {failed[-1]['message']}" if failed else None
+    return f"{failed[-1].get('type', 'Error')}: {failed[-1].get('message', '')}" if failed else None
 
 
 def display_path(path: Path) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from components import page
+from components import page, summaries
 from components.config import CONF_DIR, ConfigError, compose
 
 
@@ -308,18 +308,19 @@ def sweep_table(rows: list) -> list[str]:
     for i, (job, result, reused) in enumerate(rows):
         m = result["metrics"]
         train = result["stages"].get("train")
-        t = dict(getattr(train.outputs.get("metrics"), "metadata", None) or {}) if train is not None else {}
+        said = summaries.find(train.outputs) if train is not None else None  # train's TrainSummary
         model = (model_ref(result) or "-").split("@")[-1]
-        started = _meta_of(train, "trained_model").get("continued", "-") if train is not None else "-"
-        cells = [str(i), " ".join(job) or "(defaults)", model, started, f"{t.get('final_loss', float('nan')):.4f}"]
-        cells += [f"{m['val_loss']:.4f}", f"{m['val_perplexity']:.2f}", f"{t.get('tokens_per_s', 0):,.0f}"]
+        started = getattr(said, "continued", "-")
+        final_loss, tokens_per_s = getattr(said, "final_loss", None), getattr(said, "tokens_per_s", 0)
+        cells = [str(i), " ".join(job) or "(defaults)", model, started, f"{_nan(final_loss):.4f}"]
+        cells += [f"{m['val_loss']:.4f}", f"{m['val_perplexity']:.2f}", f"{tokens_per_s:,.0f}"]
         cells += [f"{result['seconds']:.0f}", "yes (same model as before)" if reused else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _meta_of(stage, output: str) -> dict:
-    return dict(getattr(stage.outputs.get(output), "metadata", None) or {})
+def _nan(x) -> float:
+    return float("nan") if x is None else float(x)
 
 
 def run_sweep(overrides: list[str], verbose: bool) -> int:

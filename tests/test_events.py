@@ -62,6 +62,7 @@ def test_only_events_are_shown_and_a_truncated_or_foreign_line_is_none():
         'liftoff-event ["not", "a", "record"]',
         events.line("training", nodes=2),  # fields missing (another version's event): not shown, no error
         events.line("step", **{**step, "eta_s": float("nan")}),  # NaN travels as null
+        events.line("step", **step).replace('"eta_s": 3725.0', '"eta_s": 1e400'),  # infinite: not shown, no error
         events.line("relaunch", job="train-ab", attempt=1, attempts=2, cause="RuntimeError: boom"),
     ]
     assert shown_lines(lines) == [

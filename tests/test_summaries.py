@@ -46,3 +46,6 @@ def test_a_nan_loss_travels_as_none_and_reads_nan():
 
 def test_outputs_without_a_summary_have_none():
     assert s.find({"a": SimpleNamespace(metadata={"ref": "x"}), "b": object()}) is None
+    # another version's summary (a cached task): none, not an error at the end of a run
+    other = {s.SUMMARY: {"kind": "TrainSummary", "model": "m", "a_field_of_another_version": 1}}
+    assert s.find({"a": SimpleNamespace(metadata=other)}) is None

@@ -98,7 +98,17 @@ def allreduce_busbw(sizes_mb: list[float], device: torch.device, iters: int = 5)
 
 def accelerator(device: torch.device) -> str:
     """The kind of device, as the verdict groups devices: the GPU's name, or the CPU's machine."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{platform.machine()}"
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu:{platform.machine()}:{_cpu_model()}"  # a CPU generation's kernels round their own way
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
+    except OSError:
+        return platform.processor() or "unknown"
 
 
 def host_facts(device: torch.device, checkpoint_dir: Path) -> dict:

@@ -240,8 +240,10 @@ def run_preflight(
 
 
 def record_unhealthy(store: ArtifactStore, verdicts: list[NodeVerdict], ttl_h: float) -> None:
-    """A quarantine record for each node with an unhealthy device: the next launches keep off it."""
-    if ttl_h <= 0:
+    """A quarantine record for each node with an unhealthy device: the next launches keep off it.
+    Only when some node is healthy: a finding against every node (floors set too high, the
+    wrong cluster.gpu_type, a fabric all on TCP) is the config's or the fabric's, not a node's."""
+    if ttl_h <= 0 or all(not v.healthy for v in verdicts):
         return
     for host in sorted({v.host for v in verdicts if not v.healthy}):
         reasons = [r for v in verdicts if v.host == host for r in v.reasons]

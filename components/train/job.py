@@ -70,6 +70,8 @@ class Job:
     flops_per_token: float
     float8_modules: list[str]
     collectives: Tracker = field(default_factory=Tracker)  # liftoff's own collectives, counted (hangs)
+    straggling: set = field(default_factory=set)  # the ranks the last straggler check flagged
+    quarantined: set = field(default_factory=set)  # the nodes this run quarantined
     on_step: list = field(default_factory=list)  # callables(step), run as each step starts
     forward_dtypes: dict = field(default_factory=dict)  # dtypes seen inside a forward (mixed precision's effect)
 

@@ -322,17 +322,26 @@ class Watchdog(threading.Thread):
             if idle > self.timeout_s:
                 said = f"no training progress for {idle:.0f}s (train.watchdog_timeout_s={self.timeout_s})"
                 # first, with its time: the peers it fails come after
-                record = report_failure("WatchdogTimeout", said, stacks_follow=True)
-                self._hand_back(record)
-                print(f"watchdog: {said}; stacks of all threads follow", file=sys.stderr, flush=True)
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                sys.stderr.flush()
-                os._exit(WATCHDOG_EXIT_CODE)
+                try:
+                    record = report_failure("WatchdogTimeout", said, stacks_follow=True)
+                    self._hand_back(record)
+                    print(f"watchdog: {said}; stacks of all threads follow", file=sys.stderr, flush=True)
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                    sys.stderr.flush()
+                finally:  # whatever the report and the dump do, the process ends: a hung one never would
+                    os._exit(WATCHDOG_EXIT_CODE)
 
-    def _hand_back(self, record: dict) -> None:
+    def _hand_back(self, record: dict, wait_s: float = 15.0) -> None:
+        """The report to the store, waited for at most `wait_s` (a store outage must not hold the exit)."""
         if self.hand_back is None or not record:
             return
-        try:
-            self.hand_back(record)
-        except Exception as e:
-            print(f"watchdog: the hang report did not reach the store: {e}", file=sys.stderr, flush=True)
+
+        def send() -> None:
+            try:
+                self.hand_back(record)
+            except Exception as e:
+                print(f"watchdog: the hang report did not reach the store: {e}", file=sys.stderr, flush=True)
+
+        sender = threading.Thread(target=send, name="watchdog-hand-back", daemon=True)
+        sender.start()
+        sender.join(wait_s)

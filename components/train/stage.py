@@ -126,17 +126,18 @@ def train_launch(
     return identity, run_dir, launch
 
 
-def quarantine_hung(store: ArtifactStore, culprit: dict | None, ttl_h: float) -> None:
+def quarantine_hung(store: ArtifactStore, culprit: dict | None, ttl_h: float) -> list[str]:
     """After a failed attempt that hung: the node of the rank its peers waited for (its own
-    report) is quarantined, so the next attempt and the next launch keep off it."""
-    if culprit is None or ttl_h <= 0 or not culprit.get("node"):
-        return
+    report) is quarantined, so the next attempt and the next launch keep off it; the nodes."""
+    if culprit is None or ttl_h <= 0 or not isinstance(culprit.get("node"), str):
+        return []
     c = culprit["collective"]
     reason = (
         f"hang: rank {culprit['rank']} behind in {c['op']} #{c['seq']} ({c['name']}, step {c['step']}), {c['phase']}"
     )
     fleet.quarantine(store, culprit["node"], "hang", reason, ttl_h * 3600, culprit)
     log.warning("quarantined node %s: %s", culprit["node"], reason)
+    return [culprit["node"]]
 
 
 def run_train(
@@ -158,7 +159,8 @@ def run_train(
     )
     log.info("training identity %s: run directory %s", identity, run_dir)
     launch.quarantined = lambda: fleet.quarantined(store)  # each attempt keeps off the nodes quarantined by then
-    launch.after_failure = lambda e: quarantine_hung(store, e.hung, cluster.quarantine_ttl_h)
+    hung: list[str] = []  # one hang quarantines one node: a stall that follows a rank is a bug, not a node
+    launch.after_failure = lambda e: hung or hung.extend(quarantine_hung(store, e.hung, cluster.quarantine_ttl_h))
     # one run per training identity per store: a second one fails at once, naming the holder
     lease = Lease(store, identity, default_holder(launch.spec.launch_id), ttl_s=LEASE_TTL_S)
     with sigterm_exits(), lease.hold():  # a stopped driver releases the lease wherever it is stopped

@@ -173,14 +173,25 @@ VAL_BLOCKS = 32  # periodic validation's fixed held-out set: the val split's fir
 
 
 def quarantine_stragglers(job: Job, slow: list[int], step: int) -> None:
-    """Rank 0 records each straggler's node as quarantined: the next launch keeps off it."""
-    if job.rank != 0 or not slow or job.spec.quarantine_ttl_s <= 0:
+    """Rank 0 records the node of each rank that straggled at two checks in a row (one check
+    can be a warm-up or a moment's contention) as quarantined: the next launch keeps off it.
+    A store that cannot take the record is logged; training goes on."""
+    before, job.straggling = job.straggling, set(slow)
+    if job.rank != 0 or job.spec.quarantine_ttl_s <= 0:
         return
-    for r in slow:
+    for r in sorted(set(slow) & before):
         host = job.monitor.hosts[r]
+        if host in job.quarantined:
+            continue
         evidence = {"rank": r, "step": step, "z": job.monitor.last_z[r], "threshold": job.train.straggler_zscore}
-        reason = f"straggler: rank {r}'s forward time {evidence['z']:.1f} robust SDs above its peers' at step {step}"
-        fleet.quarantine(job.store, host, "straggler", reason, job.spec.quarantine_ttl_s, evidence)
+        z = evidence["z"]
+        reason = f"straggler: rank {r}'s forward time {z:.1f} robust SDs above its peers' at two checks to step {step}"
+        try:
+            fleet.quarantine(job.store, host, "straggler", reason, job.spec.quarantine_ttl_s, evidence)
+        except Exception as e:
+            log.warning("could not quarantine node %s (%s): %s", host, reason, e)
+            continue
+        job.quarantined.add(host)
         log.warning("quarantined node %s: %s", host, reason)
 
 

@@ -61,3 +61,8 @@ def test_the_rank_behind_is_the_one_at_an_earlier_collective_or_not_yet_in_the_b
     assert behind([_report(0, 7, "waiting"), {"rank": "1", "type": "RuntimeError"}]) is None  # one report only
     raised = {**_report(1, 6, "done"), "type": "NotFound"}  # behind, but it raised: the first failure, no hang
     assert behind([_report(0, 7, "waiting"), raised]) is None
+    # stuck before the backend, then stopped by its agent (a peer's watchdog fired first): still the one behind
+    stopped = {**_report(1, 7, "entered"), "type": "SignalException"}
+    assert behind([_report(0, 7, "waiting"), stopped])["rank"] == "1"
+    malformed = {"rank": "1", "type": "WatchdogTimeout", "collective": {"seq": "7"}}
+    assert behind([_report(0, 7, "waiting"), malformed]) is None  # a record that does not check is not read

@@ -53,3 +53,29 @@ def test_too_few_nodes_left_is_a_clear_error_before_any_launch():
     with pytest.raises(fleet.FleetError, match=r"1 of this host's 2 local nodes .* h-node0 excluded"):
         fleet.local_nodes("h", 2, 0, ["h-node0"])
     assert fleet.local_nodes("h", 2, 1, ["h-node1"]) == ["h-node0", "h-node2"]
+
+
+def test_a_record_that_does_not_check_keeps_no_node_out_and_a_fleet_wide_finding_none_in(tmp_path):
+    """Nothing read from the store is trusted: malformed records are passed over (and cleared
+    by --clear-all); a preflight finding against every node is the config's, not a node's."""
+    import json
+
+    from components.config import defaults
+    from components.preflight.stage import record_unhealthy
+    from components.preflight.verdict import NodeVerdict
+    from components.store import open_store
+
+    store = open_store(defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache")))
+    fleet.quarantine(store, "h-node1", "straggler", "slow", 3600)
+    store.backend.put_bytes(f"{fleet.QUARANTINE}/bad.json", json.dumps({"node": ["x"], "expires": "soon"}).encode())
+    store.backend.put_bytes(f"{fleet.QUARANTINE}/junk.json", b"{not json")
+    assert list(fleet.quarantined(store)) == ["h-node1"]
+    everyone = [NodeVerdict(0, "h-node0"), NodeVerdict(1, "h-node2")]
+    for v in everyone:
+        v.fail("gemm_tflops_bf16=1 is below the floor 600 (preflight.floors)")
+    record_unhealthy(store, everyone, 24.0)
+    assert list(fleet.quarantined(store)) == ["h-node1"]  # floors set too high fail every node: no record
+    everyone[0].healthy = True
+    record_unhealthy(store, everyone, 24.0)
+    assert sorted(fleet.quarantined(store)) == ["h-node1", "h-node2"]
+    assert fleet.clear(store) == ["h-node1", "h-node2"] and fleet.quarantined(store) == {}
