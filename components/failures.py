@@ -174,7 +174,10 @@ def _traceback_exception(lines: list[str]) -> str | None:
     return events.one_line(f"{kind.rsplit('.', 1)[-1]}: " + "\n".join(body))
 
 
-_PHASES = {"entered": 0, "waiting": 1, "done": 2}  # components/train/collectives.py
+# where a rank is in one of liftoff's collectives, in order (components/train/collectives.py
+# sets them): not yet in the backend, waiting in it for its peers, done
+ENTERED, WAITING, DONE = "entered", "waiting", "done"
+_PHASES = {ENTERED: 0, WAITING: 1, DONE: 2}
 
 
 def behind(records: list[dict]) -> dict | None:
@@ -187,7 +190,7 @@ def behind(records: list[dict]) -> dict | None:
     key = lambda r: (r["collective"]["seq"], _PHASES.get(r["collective"]["phase"], 3))  # noqa: E731
     first, second = sorted(known, key=key)[:2]
     # a rank that raised did not hang; one stuck before the backend did, however it was ended
-    hung = first.get("type", "WatchdogTimeout") == "WatchdogTimeout" or first["collective"]["phase"] == "entered"
+    hung = first.get("type", "WatchdogTimeout") == "WatchdogTimeout" or first["collective"]["phase"] == ENTERED
     return first if hung and key(first) < key(second) else None
 
 
@@ -199,7 +202,7 @@ def hang_line(culprit: dict, records: list[dict]) -> str:
     """`rank 1 on node h-node1 is behind: in all_reduce #9 (loss, step 9), not yet in the backend,
     while rank 0 waits in all_reduce #9`."""
     c = culprit["collective"]
-    where = "not yet in the backend" if c["phase"] == "entered" else c["phase"]
+    where = "not yet in the backend" if c["phase"] == ENTERED else c["phase"]
     others = [r for r in records if r is not culprit and isinstance(r.get("collective"), dict)]
     waits = "; ".join(
         f"rank {r['rank']} {r['collective']['phase']} in {r['collective']['op']} #{r['collective']['seq']}"

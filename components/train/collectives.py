@@ -1,9 +1,10 @@
 """liftoff's own collectives, counted, so a hang can be localised. Every rank runs the same
 collectives in the same order, each numbered by a sequence number; the tracker knows which one
 a rank is in and whether it has reached the backend (waiting for its peers) or not (stuck
-before it: in its own work). On a watchdog timeout each rank hands that state back, in its
-`rank_failed` event and in the store (`_hangs/<launch id>-a<attempt>/rank<r>.json`); the driver compares
-them and names the rank that is behind (components/failures.py). gloo has no flight recorder
+before it: in its own work). Every failure report of a rank carries that state (its
+`rank_failed` event), from which the driver names the rank that is behind
+(components/failures.py); a watchdog timeout also leaves it in the store
+(`_hangs/<launch id>-a<attempt>/rank<r>.json`), the evidence that outlives the pods. gloo has no flight recorder
 (NCCL's `TORCH_NCCL_TRACE_BUFFER_SIZE` is the GPU counterpart); DDP's own gradient buckets
 are not counted here."""
 
@@ -14,6 +15,8 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+
+from components.failures import DONE, ENTERED, WAITING
 
 HANGS = "_hangs"
 
@@ -39,13 +42,13 @@ class Tracker:
     def collective(self, op: str, name: str, step: int) -> Iterator[Collective]:
         """Around one collective call: `with tracker.collective("all_reduce", "loss", step): ...`."""
         self.seq += 1
-        c = Collective(self.seq, op, name, step, "entered", time.time())
+        c = Collective(self.seq, op, name, step, ENTERED, time.time())
         self.current = c
         for hook in self.before_backend:
             hook(c)
-        c.phase = "waiting"
+        c.phase = WAITING
         yield c
-        c.phase, self.current, self.last = "done", None, c
+        c.phase, self.current, self.last = DONE, None, c
 
     def state(self) -> dict | None:
         """Where this rank is: the collective it is in, else the last one it finished."""
@@ -56,11 +59,3 @@ class Tracker:
 def hand_back_hang(store, launch_id: str, attempt: int, rank: int, record: dict) -> None:
     """A hung rank's report in the store, where the driver reads it."""
     store.backend.put_bytes(f"{HANGS}/{launch_id}-a{attempt}/rank{rank}.json", json.dumps(record).encode())
-
-
-def hangs(store, launch_id: str, attempt: int) -> list[dict]:
-    """The hang reports of one launch attempt, by rank."""
-    prefix = f"{HANGS}/{launch_id}-a{attempt}"
-    return [
-        json.loads(store.backend.get_bytes(f"{prefix}/{name}")) for name in sorted(store.backend.list_sizes(prefix))
-    ]
