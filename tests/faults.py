@@ -36,7 +36,11 @@ def fault_env(**faults) -> dict[str, str]:
     hang_step: a rank that stops making progress; stall_rank/stall_step: a rank that stops
     inside a collective, before the backend, while its peers wait in it; throttle_node: a
     preflight node whose GEMMs run slow; perturb_node/perturb_op: a preflight node whose
-    numerics battery op is one ulp off in one element."""
+    numerics battery op is one ulp off in one element; flip_rank/flip_step/flip_param: that rank's
+    parameter gets one flipped mantissa bit in its first element as that step starts (once per
+    process: a transient fault); corrupt_samples [start, end): those global samples' blocks read
+    as one repeated token (a corrupted data window); weights_dir: every rank writes the sha256 of
+    its parameters' bytes there as it exits."""
     return {PLUGIN_ENV: "tests.faults", FAULTS_ENV: json.dumps(faults)}
 
 
@@ -97,6 +101,13 @@ def install(job, state) -> None:
 
         job.collectives.before_backend.append(stall)
 
+    if job.rank == f.get("flip_rank", -1):
+        flip_bit(job, f["flip_step"], f["flip_param"])
+    if f.get("corrupt_samples"):
+        corrupt(job, *f["corrupt_samples"])
+    if f.get("weights_dir"):
+        write_weights_hash(job, Path(f["weights_dir"]))
+
     if f.get("record_dir"):  # every block this rank trains on, by its global sample number
         record_batches(job, Path(f["record_dir"]))
 
@@ -116,6 +127,52 @@ def install(job, state) -> None:
             raise NotFound(f"no version {RAISED_VERSION} of checkpoint/tiny in the store")
 
     job.on_step.append(tick)
+
+
+def flip_bit(job, at_step: int, name: str, bit: int = 12) -> None:
+    from components.train.nonfinite import clean_name
+
+    weight = next(p for n, p in job.model.named_parameters() if clean_name(n) == name)
+    done: list = []
+
+    def flip(step: int) -> None:
+        if step == at_step and not done:
+            done.append(step)
+            with torch.no_grad():
+                bits = weight.detach().view(-1)[:1].view(torch.int32)
+                bits ^= 1 << bit
+            log.warning("fault injection: rank %d flips bit %d of %s[0] at step %d", job.rank, bit, name, step)
+
+    job.on_step.append(flip)
+
+
+def corrupt(job, start: int, end: int) -> None:
+    """Blocks of global samples in [start, end) read as token 3 repeated."""
+    sampler, batch = job.sampler, job.sampler.batch
+
+    def corrupted(sample: int, device):
+        rows = batch(sample, device)
+        first = sample + sampler.rank * sampler.micro
+        for i in range(len(rows)):
+            if start <= first + i < end:
+                rows[i] = 3
+        return rows
+
+    sampler.batch = corrupted
+
+
+def write_weights_hash(job, out: Path) -> None:
+    import atexit
+    import hashlib
+
+    def write() -> None:
+        h = hashlib.sha256()
+        for p in job.model.parameters():
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{job.rank}.txt").write_text(h.hexdigest())
+
+    atexit.register(write)
 
 
 def record_batches(job, out: Path) -> None:

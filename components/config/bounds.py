@@ -55,6 +55,8 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "train.val_interval": (">= 0", "0 disables"),
     "train.max_bad_steps": ">= 1",
     "train.loss_spike_factor": ("> 1", "times the running median loss"),
+    "train.max_spikes": ">= 0",
+    "train.sdc_interval": (">= 0", "0 disables"),
     "train.straggler_interval": ">= 1",
     "train.straggler_zscore": "> 0",
     "train.watchdog_timeout_s": "> 0",

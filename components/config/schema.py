@@ -33,6 +33,18 @@ class Parallelism(str, Enum):
     fsdp = "fsdp"
 
 
+class Guard(str, Enum):
+    """What a run-time finding (a loss spike, a non-finite step) does: nothing is looked at (off),
+    recorded (log), the step's update dropped (skip), dropped and after too many in a row the
+    run rewinds to a checkpoint (rollback), or the stage fails (halt)."""
+
+    off = "off"
+    log = "log"
+    skip = "skip"
+    rollback = "rollback"
+    halt = "halt"
+
+
 class Scheduler(str, Enum):
     local_cwd = "local_cwd"
     kubernetes = "kubernetes"
@@ -124,8 +136,12 @@ class TrainConfig:
     loss_scaling: bool = MISSING  # dynamic loss scaling (GradScaler); for fp16-range gradients
     log_interval: int = MISSING
     val_interval: int = MISSING  # steps between val-loss measurements on fixed held-out blocks; 0 = off
+    on_nonfinite: Guard = MISSING  # what a non-finite step does (rollback: after max_bad_steps in a row)
     max_bad_steps: int = MISSING  # consecutive non-finite steps before rolling back
+    on_spike: Guard = MISSING  # what a loss spike does (rollback: rewind past its data window)
     loss_spike_factor: float = MISSING
+    max_spikes: int = MISSING  # spiking steps in a row tolerated (skipped) before the rollback or halt
+    sdc_interval: int = MISSING  # steps between weight fingerprints across data-parallel replicas; 0 = off
     straggler_interval: int = MISSING
     straggler_zscore: float = MISSING
     watchdog_timeout_s: float = MISSING

@@ -82,6 +82,7 @@ def finish(job: Job, state: TrainState, resumed: Resumed | None) -> WorkerResult
         forward_dtypes=job.forward_dtypes,  # e.g. a block norm's weight as the forward saw it
         resumed_from=str(resumed.ref) if resumed else None,
         start_step=resumed.step if resumed else 0,
+        skipped_samples=state.skip_windows,  # a spike rollback's data windows (components/train/guards.py)
     )
 
 
@@ -147,7 +148,7 @@ def hand_back(job: Job, result: WorkerResult) -> None:
     heal_lineage(job.store, Ref("model", job.model_cfg.name, f"{job.identity}-{digest}"))
     keys = ("final_loss", "probe_loss", "probe_blocks", "steps", "precision", "float8_linear_count",
             "float8_linear_modules", "float8_cast_configs", "world", "wrapped_modules", "resumed_from",
-            "start_step")  # fmt: skip
+            "start_step", "skipped_samples")  # fmt: skip
     model = job.store.publish(
         "model",
         job.model_cfg.name,

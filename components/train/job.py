@@ -22,6 +22,7 @@ from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.collectives import Tracker, hand_back_hang
 from components.train.data import BlockSampler
+from components.train.guards import Guards
 from components.train.model import build_model, count_params
 from components.train.monitor import Monitor, Watchdog
 from components.train.nonfinite import clean_name
@@ -39,7 +40,11 @@ class TrainState:
     step: int = 0
     samples: int = 0  # global samples consumed: the data order continues from here, on any world size
     skipped: int = 0
-    bad_in_row: int = 0
+    bad_in_row: int = 0  # non-finite steps in a row
+    spikes_in_row: int = 0
+    spike_from: tuple[int, int] = (0, 0)  # (step, global sample) where the row of spikes began
+    skip_windows: list = field(default_factory=list)  # [start, end) global samples a spike rollback skips
+    sdc_suspect: dict | None = None  # a tie of replicas' fingerprints, replayed to its step to settle it
     last_loss: float = math.nan
 
 
@@ -69,6 +74,7 @@ class Job:
     tokens_per_step: int
     flops_per_token: float
     float8_modules: list[str]
+    guards: Guards
     collectives: Tracker = field(default_factory=Tracker)  # liftoff's own collectives, counted (hangs)
     straggling: set = field(default_factory=set)  # the ranks the last straggler check flagged
     quarantined: set = field(default_factory=set)  # the nodes this run quarantined
@@ -124,7 +130,6 @@ def build_job(spec: TrainSpec) -> Job:
         Path(spec.run_dir),
         rank,
         world,
-        train.loss_spike_factor,
         train.straggler_zscore,
         train.log_interval,
         device,
@@ -160,6 +165,7 @@ def build_job(spec: TrainSpec) -> Job:
         tokens_per_step=train.micro_batch_size * train.grad_accum_steps * world * seq_len,
         flops_per_token=n_flops,
         float8_modules=float8,
+        guards=Guards(train),
     )
 
 

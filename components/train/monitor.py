@@ -1,5 +1,5 @@
 """Training telemetry on rank 0: JSONL and TensorBoard (one event file per run), val loss, MFU,
-stragglers, loss spikes, watchdog."""
+stragglers, watchdog (loss spikes: components/train/guards.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import statistics
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -159,7 +158,6 @@ class Monitor:
         out_dir: Path,
         rank: int,
         world: int,
-        spike_factor: float,
         straggler_z: float,
         tensorboard_interval: int = 1,
         device: torch.device | None = None,
@@ -167,8 +165,7 @@ class Monitor:
     ):
         self.rank, self.world, self.tb_interval = rank, world, tensorboard_interval
         self.device = device or torch.device("cpu")  # NCCL collectives need device tensors
-        self.spike_factor, self.straggler_z = spike_factor, straggler_z
-        self.losses: deque[float] = deque(maxlen=50)
+        self.straggler_z = straggler_z
         self.step_times: list[float] = []
         self.out_dir = out_dir
         self.exporter = exporter  # components/train/prometheus.py, with train.metrics_port
@@ -187,18 +184,6 @@ class Monitor:
         self.step_times.append(record["forward_s"])
         if self.exporter is not None:
             self.exporter.step(record)
-        if record.get("loss") is not None and record["stepped"]:
-            if len(self.losses) >= 10 and record["loss"] > self.spike_factor * statistics.median(self.losses):
-                self.event(
-                    "loss_spike",
-                    step=record["step"],
-                    loss=record["loss"],
-                    running_median=statistics.median(self.losses),
-                    factor=self.spike_factor,
-                )
-                if self.exporter is not None:
-                    self.exporter.spike()
-            self.losses.append(record["loss"])
         if self.rank != 0:
             return
         if self._tb is None:  # the run's first step here: steps before it are the run's history
@@ -289,6 +274,9 @@ class Monitor:
         self._jsonl.close()
         shutil.copyfile(saved, self.history)
         self._jsonl = open(self.history, "a", buffering=1)
+        if self._tb is not None:  # a rewind: the event file is rebuilt from the restored timeline
+            self._tb.close()
+            self._tb = None
 
     def close(self) -> None:
         if self.exporter is not None:

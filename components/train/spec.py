@@ -47,6 +47,7 @@ class WorkerResult:
     resumed_from: str | None = None  # checkpoint/NAME@VERSION this launch continued; None: fresh
     start_step: int = 0  # the step it continued from; steps - start_step were trained here
     model: str = ""  # model/NAME@VERSION, once published
+    skipped_samples: list = dataclasses.field(default_factory=list)  # [start, end) global samples never trained on
 
     @property
     def continued(self) -> str:

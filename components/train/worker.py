@@ -1,7 +1,8 @@
 """The training process torchrun starts on every rank: `python -m components.train.worker --spec-b64 ...`.
 
 `main` reads top to bottom: set up the job -> resume -> for each step: `train_step`, log,
-`checkpoint_or_rollback` -> `finish` (export, result). `train_step` is the whole step on one
+`act_on_findings` (a spike's or non-finite step's rollback or halt), the SDC check,
+`checkpoint` -> `finish` (export, result). `train_step` is the whole step on one
 screen: micro-batches forward/backward, all ranks agree on the loss, then clip and step
 (or skip a non-finite step).
 """
@@ -19,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from components import checkpoint_format, events, fleet
-from components.config import as_plain_dict, drop_none
+from components import events
+from components.config import Guard, as_plain_dict, drop_none
 from components.train import checkpoint as ckpt
+from components.train import sdc
+from components.train.guards import GuardHalt, add_window, past_skipped
 from components.train.handback import describe, finish, hand_back, training_facts
 from components.train.job import Job, TrainState, build_job, micro_loss
 from components.train.model import count_params
@@ -31,6 +34,7 @@ from components.train.optim import clip_and_step, lr_at, set_lr
 from components.train.parallel import gradient_sync
 from components.train.profiler import Profiler
 from components.train.resume import Resumed, find_resume_checkpoint
+from components.train.rollback import quarantine_rank, restore_state, roll_back
 from components.train.spec import TrainSpec
 from components.worker_side import PLUGIN_ENV, worker_spec
 
@@ -45,14 +49,8 @@ def resume(job: Job, state: TrainState) -> Resumed | None:
     if found is None:
         return None
     loaded = ckpt.load(found.path, job.model, job.optimizer, job.rank)
-    meta = loaded["meta"]
     # the history up to the checkpoint: this run's own, or a seed's (the steps this model went through)
-    job.monitor.restore_history(found.path / checkpoint_format.HISTORY)
-    state.step, state.samples, state.skipped = meta["step"], meta["samples"], meta.get("skipped_steps", 0)
-    if "rng" in loaded["rank_state"]:
-        torch.set_rng_state(loaded["rank_state"]["rng"])
-    if job.scaler is not None and "scaler_scale" in meta:
-        job.scaler.load_state_dict({**job.scaler.state_dict(), "scale": meta["scaler_scale"]})
+    restore_state(job, state, found, loaded)
     job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)  # scales of the loaded weights
     log.info("resumed from %s at step %d (global sample %d)", found.ref, state.step, state.samples)
     return found
@@ -60,12 +58,13 @@ def resume(job: Job, state: TrainState) -> Resumed | None:
 
 def train_step(job: Job, state: TrainState) -> dict:
     """One optimizer step. The only host<->device syncs: the loss_and_pending loss and the grad norm."""
-    t0 = time.perf_counter()
+    t0, first_sample = time.perf_counter(), state.samples
     accum, forward, data_s = job.train.grad_accum_steps, DeviceTimer(job.device), 0.0
     loss_sum = torch.zeros((), device=job.device)
     first_batch = None  # replayed to name the culprit module if the step turns out non-finite
     for micro in range(accum):
         t_data = time.perf_counter()
+        state.samples = past_skipped(state.samples, state.skip_windows)  # a spike rollback's windows
         batch = job.sampler.batch(state.samples, job.device)
         data_s += time.perf_counter() - t_data
         first_batch = batch if first_batch is None else first_batch
@@ -88,18 +87,34 @@ def train_step(job: Job, state: TrainState) -> dict:
 
     t_opt = time.perf_counter()
     set_lr(job.optimizer, lr_at(state.step - 1, job.train))
-    if math.isfinite(step_loss):  # every rank has the same all-reduced loss, so all take one branch
+    # every rank has the same all-reduced loss and recent losses, so all take one branch
+    finding = job.guards.judge(step_loss)
+    if finding is None or finding.apply:
         grad_norm, stepped = clip_and_step(job.model, job.optimizer, job.train.grad_clip, job.scaler)
         job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)
-    else:  # a non-finite loss never reaches the optimizer, whatever the gradients look like
+    else:  # dropped before the optimizer, whatever the gradients look like
         job.optimizer.zero_grad(set_to_none=True)
-        if job.scaler is not None:
+        if job.scaler is not None and finding.kind == "nonfinite":
             job.scaler.update(job.scaler.get_scale() * job.scaler.get_backoff_factor())
         grad_norm, stepped = math.nan, False
     opt_s = time.perf_counter() - t_opt
+    spike = finding is not None and finding.kind == "spike"
+    if spike:
+        state.spike_from = state.spike_from if state.spikes_in_row else (state.step, first_sample)
+        state.spikes_in_row += 1
+        state.skipped += not stepped
+        job.monitor.event("loss_spike", step=state.step, loss=step_loss, running_median=finding.median,
+                          factor=job.train.loss_spike_factor, action=job.train.on_spike.value,
+                          samples=[first_sample, state.samples])  # fmt: skip
+        if job.monitor.exporter is not None:
+            job.monitor.exporter.spike()
+    else:
+        state.spikes_in_row = 0
     if stepped:
         state.bad_in_row, state.last_loss = 0, step_loss
-    else:
+        if math.isfinite(step_loss) and not spike:
+            job.guards.stepped(step_loss)
+    elif not spike:
         state.skipped += 1
         state.bad_in_row += 1
         culprit = first_nonfinite_module(job.model, lambda b=first_batch: micro_loss(job, b))
@@ -118,6 +133,7 @@ def train_step(job: Job, state: TrainState) -> dict:
         "grad_norm": grad_norm,
         "lr": job.optimizer.param_groups[0]["lr"],
         "stepped": stepped,
+        "spike": spike,
         "skipped_steps": state.skipped,
         "tokens_per_s": job.tokens_per_step / step_s,
         "step_s": step_s,
@@ -132,32 +148,44 @@ def train_step(job: Job, state: TrainState) -> dict:
     }
 
 
-def checkpoint_or_rollback(job: Job, state: TrainState, record: dict) -> None:
-    """Publish an async checkpoint every rank has finished; roll back after too many
-    non-finite steps in a row; save on the interval and at the last step."""
-    if job.checkpointer.has_pending and record["checkpoint_pending_ranks"] == 0:
-        job.checkpointer.finish_pending()  # on disk everywhere: seal and publish it
-    if state.bad_in_row >= job.train.max_bad_steps:
-        job.checkpointer.wait()
-        # the same choice as resume: the newest stored checkpoint that verifies (own first, then a seed)
-        mode = "auto" if job.train.resume == "never" else job.train.resume
-        root, identity = job.ckpt_root, job.identity
-        target = find_resume_checkpoint(mode, root, job.store, job.model_cfg, identity, job.rank, state.step)
-        if target is None:
-            raise RuntimeError(
-                f"{state.bad_in_row} non-finite steps in a row (train.max_bad_steps="
-                f"{job.train.max_bad_steps}) and no checkpoint to roll back to"
-            )
-        ckpt.load(target.path, job.model, job.optimizer, job.rank)
-        job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)
-        job.monitor.event("rollback", step=state.step, to=str(target.ref), data_samples_kept=state.samples)
-        state.bad_in_row = 0
+def act_on_findings(job: Job, state: TrainState, record: dict) -> bool:
+    """What the guards decide after a step (components/train/guards.py): a rollback or a halt.
+    True when the run rewound (the loop goes on from the checkpoint's step)."""
+    step, t = state.step, job.train
+    if record["spike"] and (action := job.guards.spike_action(state.spikes_in_row)) is not None:
+        first, start = state.spike_from
+        why = (f"loss spike: {state.spikes_in_row} step(s) in a row from step {first} over "
+               f"{t.loss_spike_factor} x the running median (train.on_spike={t.on_spike.value})")  # fmt: skip
+        if action == Guard.halt:
+            raise GuardHalt(f"{why}: loss {record['loss']:.4g} at step {step}")
+        window = [start, state.samples]
+        state.skip_windows = add_window(state.skip_windows, *window)
+        target = roll_back(job, state, first - 1, why, rewind=True)
+        job.monitor.event("rollback", step=step, reason="loss_spike", to=str(target.ref),
+                          skipped_samples=window, skipped_windows=state.skip_windows)  # fmt: skip
+        return True
+    if not record["stepped"] and not record["spike"]:
+        action = job.guards.nonfinite_action(state.bad_in_row)
+        why = f"{state.bad_in_row} non-finite step(s) in a row (train.on_nonfinite={t.on_nonfinite.value}"
+        if action == Guard.halt:
+            raise GuardHalt(f"{why}): loss {record['loss']} at step {step}")
+        if action == Guard.rollback:  # the weights go back; the data goes on past the bad steps
+            target = roll_back(job, state, step, f"{why}, train.max_bad_steps={t.max_bad_steps})", rewind=False)
+            job.monitor.event("rollback", step=step, to=str(target.ref), data_samples_kept=state.samples)
+            state.bad_in_row = 0
+    return False
+
+
+def checkpoint(job: Job, state: TrainState) -> None:
+    """Save on the interval and at the last step (a verified step: sdc.check passed)."""
     if state.step % job.train.checkpoint_interval == 0 or state.step == job.train.steps:
         meta = {
             "step": state.step,
             "samples": state.samples,
             "loss": state.last_loss,
             "skipped_steps": state.skipped,
+            "skipped_samples": state.skip_windows,
+            "recent_losses": job.guards.state(),
             "identity": job.identity,
             "model": drop_none(as_plain_dict(job.model_cfg)),
             "world": job.world,
@@ -174,25 +202,13 @@ VAL_BLOCKS = 32  # periodic validation's fixed held-out set: the val split's fir
 
 def quarantine_stragglers(job: Job, slow: list[int], step: int) -> None:
     """Rank 0 records the node of each rank that straggled at two checks in a row (one check
-    can be a warm-up or a moment's contention) as quarantined: the next launch keeps off it.
-    A store that cannot take the record is logged; training goes on."""
+    can be a warm-up or a moment's contention) as quarantined: the next launch keeps off it."""
     before, job.straggling = job.straggling, set(slow)
-    if job.rank != 0 or job.spec.quarantine_ttl_s <= 0:
-        return
     for r in sorted(set(slow) & before):
-        host = job.monitor.hosts[r]
-        if host in job.quarantined:
-            continue
         evidence = {"rank": r, "step": step, "z": job.monitor.last_z[r], "threshold": job.train.straggler_zscore}
         z = evidence["z"]
         reason = f"straggler: rank {r}'s forward time {z:.1f} robust SDs above its peers' at two checks to step {step}"
-        try:
-            fleet.quarantine(job.store, host, "straggler", reason, job.spec.quarantine_ttl_s, evidence)
-        except Exception as e:
-            log.warning("could not quarantine node %s (%s): %s", host, reason, e)
-            continue
-        job.quarantined.add(host)
-        log.warning("quarantined node %s: %s", host, reason)
+        quarantine_rank(job, r, "straggler", reason, evidence)
 
 
 def validates_at(step: int, interval: int, last_step: int) -> bool:
@@ -259,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         events.emit("training", **facts)
         if job.device.type != "cuda" and job.float8_modules:
             log.info("fp8 on CPU is emulated: it checks the numerics, its speed means nothing")
-    for step in range(state.step + 1, job.train.steps + 1):
-        state.step = step
+    while state.step < job.train.steps:
+        state.step += 1
+        step = state.step
         job.watchdog.beat()
         for hook in job.on_step:
             hook(step)
@@ -271,11 +288,17 @@ def main(argv: list[str] | None = None) -> int:
         if job.rank == 0 and (figures := line.add(record)):
             log.info(step_text(figures))
             events.emit("step", **figures)
+        if job.checkpointer.has_pending and record["checkpoint_pending_ranks"] == 0:
+            job.checkpointer.finish_pending()  # on disk everywhere: seal and publish it
+        if act_on_findings(job, state, record):
+            continue  # rewound: on from the checkpoint's step
         if step % job.train.straggler_interval == 0:
             quarantine_stragglers(job, job.monitor.check_stragglers(step), step)
         if validates_at(step, job.train.val_interval, job.train.steps):
             validate(job, step)
-        checkpoint_or_rollback(job, state, record)
+        if sdc.due(step, job.train) and not sdc.check(job, state):
+            continue  # the replicas disagreed: never committed, rewound
+        checkpoint(job, state)
     profiler.close(state.step)
     result = finish(job, state, resumed_from)
     job.sampler.blocks.close()  # no prefetch left running

@@ -238,7 +238,7 @@ def test_a_resumed_run_keeps_one_tensorboard_event_file_with_each_step_once(tmp_
     from components.train.worker import validates_at
 
     def attempt(first: int, last: int, offset: float) -> None:
-        monitor = Monitor(tmp_path / "run", 0, 1, spike_factor=1e9, straggler_z=5.0)
+        monitor = Monitor(tmp_path / "run", 0, 1, straggler_z=5.0)
         for step in range(first, last + 1):
             monitor.log_step({"step": step, "loss": step + offset, "stepped": True, "forward_s": 0.1, "time": 1e9})
             if validates_at(step, 5, 12):

@@ -1,0 +1,180 @@
+"""Silent data corruption at run time: the replicas of a data-parallel group must hold
+bit-identical weights (DDP ranks see the same reduced gradients and run the same optimizer),
+so every `train.sdc_interval` steps, and before every checkpoint, each rank fingerprints its
+parameters (per tensor, the int64 sum of the raw bits: one flipped bit changes it) and the
+fingerprints are compared across ranks. A checkpoint is saved only after its step's check
+passed, so every checkpoint is a verified one.
+
+A mismatch is never committed: the run rewinds to the newest checkpoint. Who was wrong is
+decided by a majority when one exists (three or more replicas: the healthy ones agree bit for
+bit, even though the culprit's gradients reached them through the all-reduce). With two (a
+tie), each rank keeps the values of the elements where the replicas disagree, the run replays
+from the checkpoint to the same step (a transient fault does not recur), and the replay is the
+third opinion: the replica whose values lie far from the replayed ones was corrupted; the
+other is off only by what the culprit's gradients did to it (a bit flip's error against the
+all-reduced noise of a few steps). The culprit's node is quarantined (components/fleet.py), so
+the next launch keeps off it; training goes on from the replay, every rank on the verified
+state. A disagreement the replay cannot settle (the replay disagrees again, or no replica is
+clearly nearer) fails the stage, the ranks named.
+
+Under FSDP every rank holds another shard: there is no replica to compare, and no check runs.
+The replay needs deterministic kernels to attribute a tie on a GPU (`torch.use_deterministic_
+algorithms`); a majority needs none.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from components.train.guards import GuardHalt
+from components.train.job import Job, TrainState
+from components.train.nonfinite import clean_name
+from components.train.rollback import quarantine_rank, roll_back
+
+log = logging.getLogger("liftoff.train")
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class SDCError(GuardHalt):
+    """Replicas disagree and the replay could not say which one is wrong."""
+
+
+def fingerprint(model: torch.nn.Module) -> torch.Tensor:
+    """Per parameter tensor, the sum of its elements' raw bits as integers (int64, on the device)."""
+    sums = []
+    for p in model.parameters():
+        local = getattr(p, "_local_tensor", p).detach()
+        bits = local.contiguous().view(_INT[local.element_size()])
+        sums.append(bits.sum(dtype=torch.int64))
+    return torch.stack(sums)
+
+
+def due(step: int, train) -> bool:
+    """Whether the check runs after this step: on the interval and before every checkpoint."""
+    if train.sdc_interval <= 0:
+        return False
+    return step % train.sdc_interval == 0 or step % train.checkpoint_interval == 0 or step == train.steps
+
+
+@dataclass
+class Verdict:
+    culprits: list[int]  # the ranks that were wrong
+    how: str  # "majority" | "replay" | "tie" (not yet decided: replay)
+    settled: bool = True  # False: the replay could not say which replica was wrong
+    distances: list[float] | None = None  # a replay's: each rank's largest distance from the replayed values
+
+
+def judge(now: list[tuple]) -> Verdict | None:
+    """The ranks' fingerprints: None when they agree, else a majority's culprits or a tie."""
+    if len(set(now)) == 1:
+        return None
+    top, count = Counter(now).most_common(1)[0]
+    if count * 2 > len(now):
+        return Verdict([r for r in range(len(now)) if now[r] != top], "majority")
+    return Verdict([], "tie", settled=False)
+
+
+SETTLE = 8.0  # the culprit's distance from the replay is at least this many times the nearest rank's
+
+
+def settle(values: list[list[float]], replayed: list[float]) -> Verdict:
+    """The tie's ranks' values at the disagreeing elements against the replay's: the ranks far
+    from it (beyond SETTLE times the nearest) were corrupted."""
+    far = [max((abs(v - c) for v, c in zip(vals, replayed, strict=True)), default=0.0) for vals in values]
+    near = min(far)
+    culprits = [r for r, d in enumerate(far) if (d > 0 if near == 0 else d > SETTLE * near)]
+    return Verdict(culprits, "replay", settled=0 < len(culprits) < len(values), distances=far)
+
+
+def differing(now: list[tuple], names: list[str]) -> list[str]:
+    return [names[i] for i in range(len(names)) if len({fp[i] for fp in now}) > 1]
+
+
+MAX_ELEMENTS = 4096  # disagreeing elements kept per tensor for the replay's comparison
+
+
+def _params(job: Job) -> dict[str, torch.Tensor]:
+    return {clean_name(n): p.detach() for n, p in job.model.named_parameters()}
+
+
+def disagreeing_elements(job: Job, tensors: list[str], step: int) -> tuple[dict[str, list[int]], list[list[float]]]:
+    """Every replica's copy of each disagreeing tensor (a rare event: a few tensors gathered):
+    the flat positions where they differ, and each rank's values there."""
+    params, positions, values = _params(job), {}, [[] for _ in range(job.world)]
+    for name in tensors:
+        mine = params[name].contiguous()
+        copies = [torch.empty_like(mine) for _ in range(job.world)]
+        with job.collectives.collective("all_gather", f"sdc {name}", step):
+            dist.all_gather(copies, mine)
+        bits = torch.stack([c.view(-1).view(_INT[c.element_size()]) for c in copies])
+        where = (bits != bits[0]).any(0).nonzero().flatten()[:MAX_ELEMENTS]
+        positions[name] = where.tolist()
+        for r, c in enumerate(copies):
+            values[r] += c.view(-1)[where].double().tolist()
+    return positions, values
+
+
+def replayed_values(job: Job, positions: dict[str, list[int]]) -> list[float]:
+    params = _params(job)
+    out: list[float] = []
+    for name, where in positions.items():
+        flat = params[name].view(-1)
+        out += flat[torch.tensor(where, dtype=torch.long, device=flat.device)].double().tolist()
+    return out
+
+
+def check(job: Job, state: TrainState) -> bool:
+    """Compare the replicas' weights after this step; True when they agree (the step may be
+    committed), False when the run rewound (the loop goes on from the checkpoint's step)."""
+    if job.fsdp or job.world == 1:
+        return True
+    mine = fingerprint(job.model)
+    gathered = [torch.zeros_like(mine) for _ in range(job.world)]
+    with job.collectives.collective("all_gather", "sdc fingerprints", state.step):
+        dist.all_gather(gathered, mine)
+    now = [tuple(t.tolist()) for t in gathered]
+    step, names = state.step, [clean_name(n) for n, _ in job.model.named_parameters()]
+    pending = state.sdc_suspect if state.sdc_suspect and state.sdc_suspect["step"] == step else None
+    state.sdc_suspect = None
+    verdict = judge(now)
+    if pending is not None:  # the replay of a tie reached its step: the replay is the third opinion
+        tensors = pending["tensors"]
+        if verdict is None:
+            verdict = settle(pending["values"], replayed_values(job, pending["positions"]))
+        else:
+            verdict = Verdict(verdict.culprits, "replay", settled=False)  # it disagrees again
+    elif verdict is None:
+        return True
+    else:
+        tensors = differing(now, names)
+    if verdict.how == "tie":  # two replicas: replay from the checkpoint to this step to tell
+        positions, values = disagreeing_elements(job, tensors, step)
+        why = f"silent data corruption: the replicas' weights differ at step {step} ({', '.join(tensors[:3])})"
+        target = roll_back(job, state, step - 1, why, rewind=True)
+        state.sdc_suspect = {"step": step, "tensors": tensors, "positions": positions, "values": values,
+                             "replay_from": str(target.ref)}  # fmt: skip
+        job.monitor.event("sdc_mismatch", step=step, tensors=tensors, elements=sum(map(len, positions.values())),
+                          replay_from=str(target.ref))  # fmt: skip
+        return False
+    nodes = [job.monitor.hosts[r] for r in verdict.culprits]
+    said = ", ".join(f"rank {r} on node {n}" for r, n in zip(verdict.culprits, nodes, strict=True)) or "no rank"
+    reason = f"silent data corruption: {said} held weights the other replicas did not at step {step} ({verdict.how})"
+    if not verdict.settled:
+        where = ", ".join(tensors[:3])
+        raise SDCError(f"silent data corruption: the replicas' weights differ at step {step} ({where}) and "
+                       "the replay from the checkpoint did not settle which replica is wrong")  # fmt: skip
+    for r in verdict.culprits:
+        evidence = {"rank": r, "step": step, "tensors": tensors, "decided_by": verdict.how}
+        evidence |= {"distances": verdict.distances} if verdict.distances else {}
+        quarantine_rank(job, r, "sdc", reason, evidence)
+    rolled = pending["replay_from"] if pending else None
+    if verdict.how == "majority":  # the culprits' state goes: every rank back to the checkpoint
+        rolled = str(roll_back(job, state, step - 1, reason, rewind=True).ref)
+    job.monitor.event("sdc", step=step, ranks=verdict.culprits, nodes=nodes, tensors=tensors,
+                      decided_by=verdict.how, distances=verdict.distances, rolled_back_to=rolled)  # fmt: skip
+    return verdict.how == "replay"  # a settled replay is this step, verified

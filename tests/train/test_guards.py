@@ -1,0 +1,106 @@
+"""Run-time findings act (issue 24): silent data corruption across DDP replicas is found by
+the weight fingerprints, its rank and node named and quarantined, and the run goes back to
+the newest verified checkpoint (acceptance 2); a loss spike from a corrupted data window
+rewinds the run past the window, which the model's lineage lists (acceptance 3)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from components import fleet
+from components.launcher import LaunchError
+from components.plots import read_records
+from components.train import guards, sdc
+from tests.conftest import Trainer
+from tests.faults import injected
+from tests.train.test_training import TWO_NODES, events, final_weights
+
+FLIPPED = "model.layers.0.mlp.up_proj.weight"
+SDC_RUN = [*TWO_NODES, "train.steps=20", "train.checkpoint_interval=10", "train.sdc_interval=5"]
+
+
+def test_a_flipped_bit_on_one_replica_is_found_named_quarantined_and_rolled_back(dataset_store, tmp_path):
+    clean_dir, hit_dir = tmp_path / "clean-weights", tmp_path / "hit-weights"
+    with injected(weights_dir=str(clean_dir)):
+        clean = Trainer(dataset_store, tmp_path / "clean").run(*SDC_RUN)
+    hit_trainer = Trainer(dataset_store, tmp_path / "hit")
+    with injected(flip_rank=1, flip_step=12, flip_param=FLIPPED, weights_dir=str(hit_dir)):
+        hit = hit_trainer.run(*SDC_RUN)
+
+    node = f"{socket.gethostname()}-node1"
+    # found at the next check (step 15), never committed: the run replayed from the step-10 checkpoint
+    mismatch = events(hit.metrics, "sdc_mismatch")
+    assert [m["step"] for m in mismatch] == [15] and mismatch[0]["tensors"] == [FLIPPED]
+    assert "-step10-" in mismatch[0]["replay_from"]
+    found = events(hit.metrics, "sdc")
+    assert len(found) == 1 and found[0]["ranks"] == [1] and found[0]["nodes"] == [node]
+    assert found[0]["decided_by"] == "replay" and "-step10-" in found[0]["rolled_back_to"]
+    # rank 1's node is quarantined in the store, where the next launch's preflight reads it
+    records = fleet.quarantined(hit_trainer.store)
+    assert list(records) == [node] and records[node].source == "sdc"
+    assert records[node].evidence["rank"] == 1 and records[node].evidence["tensors"] == [FLIPPED]
+    # no bad state survives on any rank: both replicas end bit-identical to the uninterrupted run's
+    clean_hashes = {p.name: p.read_text() for p in clean_dir.glob("rank*.txt")}
+    hit_hashes = {p.name: p.read_text() for p in hit_dir.glob("rank*.txt")}
+    assert len(clean_hashes) == 2 and hit_hashes == clean_hashes
+    a, b = final_weights(clean), final_weights(hit)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    steps, _ = read_records(hit.metrics)
+    assert [s["step"] for s in steps] == list(range(1, 21))  # the history is the verified one
+
+
+def test_a_spike_from_a_corrupted_window_rewinds_past_it_and_the_lineage_lists_it(trainer):
+    micro = 8  # train.micro_batch_size on one process: step n reads samples [8(n-1), 8n)
+    window = [13 * micro, 15 * micro]  # steps 14 and 15 read blocks of one repeated token
+    run = ["train.steps=24", "train.warmup_steps=2", "train.checkpoint_interval=10", "train.sdc_interval=0"]
+    spike = ["train.on_spike=rollback", "train.max_spikes=1", "train.loss_spike_factor=1.15"]
+    with injected(corrupt_samples=window):
+        r = trainer.run(*run, *spike)
+    rollback = events(r.metrics, "rollback")
+    assert len(rollback) == 1 and rollback[0]["reason"] == "loss_spike" and "-step10-" in rollback[0]["to"]
+    assert rollback[0]["skipped_samples"] == window
+    # the model's lineage says which samples it never trained on; its loss curve has no spike
+    model = trainer.store.manifest(r.model.ref)  # read back from the store
+    assert model.metadata["skipped_samples"] == [window] and r.result.skipped_samples == [window]
+    steps, _ = read_records(r.metrics)
+    assert [s["step"] for s in steps] == list(range(1, 25))
+    losses = [s["loss"] for s in steps]
+    assert all(b < 1.15 * a for a, b in zip(losses, losses[1:], strict=False)), losses
+    # the same with log: the spike is in the curve and nothing is skipped
+    with injected(corrupt_samples=window):
+        logged = Trainer(trainer.dataset_store, trainer.tmp / "logged").run(*run, *spike[1:], "train.on_spike=log")
+    logged_losses = [s["loss"] for s in read_records(logged.metrics)[0]]
+    assert logged_losses[13] > 1.15 * logged_losses[12] and logged.result.skipped_samples == []
+
+
+def test_a_spike_with_halt_fails_the_stage_naming_the_step(trainer):
+    with injected(corrupt_samples=[104, 112]), pytest.raises(LaunchError, match=r"loss spike: 1 step\(s\) .* step 14"):
+        trainer.run("train.steps=16", "train.warmup_steps=2", "train.on_spike=halt", "train.loss_spike_factor=1.15",
+                    "cluster.max_restarts=0")  # fmt: skip
+
+
+def test_the_fingerprint_changes_with_one_bit_and_the_verdicts_name_who_was_wrong():
+    import torch
+
+    model = torch.nn.Linear(64, 64)
+    before = sdc.fingerprint(model)
+    with torch.no_grad():
+        model.weight.view(-1)[7:8].view(torch.int32).bitwise_xor_(1)  # the lowest mantissa bit
+    after = sdc.fingerprint(model)
+    assert (before != after).tolist() == [True, False]
+    a, b = (1, 2), (1, 3)
+    assert sdc.judge([a, a]) is None
+    assert sdc.judge([a, b, a]).culprits == [1]  # a majority names the odd one out
+    assert sdc.judge([a, b]).how == "tie"  # two replicas: the replay decides
+    # rank 1 is a bit flip away from the replayed value; rank 0 only by the noise it took in
+    assert sdc.settle([[0.5 + 1e-9], [0.5 + 3e-5]], [0.5]).culprits == [1]
+    assert not sdc.settle([[0.5 + 1e-6], [0.5 + 2e-6]], [0.5]).settled  # neither clearly nearer
+
+
+def test_skipped_windows_merge_and_the_sample_order_jumps_over_them():
+    windows = guards.add_window([], 16, 24)
+    windows = guards.add_window(windows, 8, 16)
+    assert windows == [[8, 24]] and guards.add_window(windows, 40, 48) == [[8, 24], [40, 48]]
+    assert [guards.past_skipped(s, [[8, 24], [24, 32]]) for s in (0, 8, 20, 32)] == [0, 32, 32, 32]
