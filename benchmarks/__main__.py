@@ -12,6 +12,7 @@ BENCHMARKS = [
     "reader",
     "stream_reader",
     "train_overhead",
+    "run_checks",
     "checkpoint_async",
     "planner_accuracy",
     "preflight_overhead",
