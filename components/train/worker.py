@@ -98,6 +98,32 @@ def train_step(job: Job, state: TrainState) -> dict:
             job.scaler.update(job.scaler.get_scale() * job.scaler.get_backoff_factor())
         grad_norm, stepped = math.nan, False
     opt_s = time.perf_counter() - t_opt
+    spike = record_outcome(job, state, finding, stepped, step_loss, grad_norm, first_batch, first_sample)
+    step_s = time.perf_counter() - t0
+    return {
+        "step": state.step,
+        "loss": step_loss,
+        "grad_norm": grad_norm,
+        "lr": job.optimizer.param_groups[0]["lr"],
+        "stepped": stepped,
+        "spike": spike,
+        "skipped_steps": state.skipped,
+        "tokens_per_s": job.tokens_per_step / step_s,
+        "step_s": step_s,
+        "data_s": data_s,
+        "fwd_bwd_s": step_s - comm_s - opt_s - data_s,
+        "optimizer_s": opt_s,
+        "comm_s": comm_s,
+        "forward_s": forward.seconds(),
+        "peak_memory_bytes": peak_memory_bytes(job.device),
+        "checkpoint_pending_ranks": pending_ranks,
+        "time": time.time(),
+    }
+
+
+def record_outcome(job: Job, state: TrainState, finding, stepped: bool, step_loss: float, grad_norm: float,
+                   first_batch, first_sample: int) -> bool:  # fmt: skip
+    """The loop's state and the events after the optimizer's decision; True for a spike."""
     spike = finding is not None and finding.kind == "spike"
     if spike:
         state.spike_from = state.spike_from if state.spikes_in_row else (state.step, first_sample)
@@ -126,26 +152,7 @@ def train_step(job: Job, state: TrainState) -> dict:
             skipped_total=state.skipped,
             first_nonfinite_module=culprit,
         )
-    step_s = time.perf_counter() - t0
-    return {
-        "step": state.step,
-        "loss": step_loss,
-        "grad_norm": grad_norm,
-        "lr": job.optimizer.param_groups[0]["lr"],
-        "stepped": stepped,
-        "spike": spike,
-        "skipped_steps": state.skipped,
-        "tokens_per_s": job.tokens_per_step / step_s,
-        "step_s": step_s,
-        "data_s": data_s,
-        "fwd_bwd_s": step_s - comm_s - opt_s - data_s,
-        "optimizer_s": opt_s,
-        "comm_s": comm_s,
-        "forward_s": forward.seconds(),
-        "peak_memory_bytes": peak_memory_bytes(job.device),
-        "checkpoint_pending_ranks": pending_ranks,
-        "time": time.time(),
-    }
+    return spike
 
 
 def act_on_findings(job: Job, state: TrainState, record: dict) -> bool:
