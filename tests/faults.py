@@ -37,7 +37,7 @@ def fault_env(**faults) -> dict[str, str]:
     inside a collective, before the backend, while its peers wait in it; throttle_node: a
     preflight node whose GEMMs run slow; perturb_node/perturb_op: a preflight node whose
     numerics battery op is one ulp off in one element; flip_rank/flip_step/flip_param: that rank's
-    parameter gets one flipped mantissa bit in its first element as that step starts (once per
+    parameter gets one flipped mantissa bit in its first element after that step (once per
     process: a transient fault); corrupt_samples [start, end): those global samples' blocks read
     as one repeated token (a corrupted data window); weights_dir: every rank writes the sha256 of
     its parameters' bytes there as it exits."""
@@ -136,12 +136,12 @@ def flip_bit(job, at_step: int, name: str, bit: int = 12) -> None:
     done: list = []
 
     def flip(step: int) -> None:
-        if step == at_step and not done:
+        if step == at_step + 1 and not done:  # as the next step starts: after `at_step`
             done.append(step)
             with torch.no_grad():
                 bits = weight.detach().view(-1)[:1].view(torch.int32)
                 bits ^= 1 << bit
-            log.warning("fault injection: rank %d flips bit %d of %s[0] at step %d", job.rank, bit, name, step)
+            log.warning("fault injection: rank %d flips bit %d of %s[0] after step %d", job.rank, bit, name, at_step)
 
     job.on_step.append(flip)
 

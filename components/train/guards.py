@@ -53,8 +53,16 @@ class Guards:
             return Finding("spike", apply=t.on_spike == Guard.log, median=median)
         return None
 
-    def stepped(self, loss: float) -> None:
-        self.losses.append(loss)
+    def stepped(self, loss: float, spike: bool) -> None:
+        """A loss the run went on with. A spike joins the median under `log` and `skip` (a loss
+        level that moves for good stops being a spike), never where it may be rewound."""
+        if not spike or self.train.on_spike in (Guard.log, Guard.skip):
+            self.losses.append(loss)
+
+    def holds_checkpoints(self, spikes_in_row: int) -> bool:
+        """No checkpoint inside a row of spikes that a rollback or halt may still act on: a save
+        there would be a version the rewind skips (and a relaunch could resume)."""
+        return spikes_in_row > 0 and self.train.on_spike in (Guard.rollback, Guard.halt)
 
     def state(self) -> list[float]:
         return list(self.losses)
@@ -78,13 +86,15 @@ class Guards:
         return None
 
 
-def past_skipped(sample: int, windows: list[list[int]]) -> int:
-    """The first global sample at or after `sample` outside every skipped [start, end) window."""
+def past_skipped(sample: int, span: int, windows: list[list[int]]) -> int:
+    """The first global sample at or after `sample` where a micro-batch of `span` samples
+    overlaps no skipped [start, end) window (on another world size a micro-batch can straddle
+    a window's edge)."""
     moved = True
     while moved:
         moved = False
         for start, end in windows:
-            if start <= sample < end:
+            if sample < end and start < sample + span:
                 sample, moved = end, True
     return sample
 

@@ -45,6 +45,8 @@ class TrainState:
     spike_from: tuple[int, int] = (0, 0)  # (step, global sample) where the row of spikes began
     skip_windows: list = field(default_factory=list)  # [start, end) global samples a spike rollback skips
     sdc_suspect: dict | None = None  # a tie of replicas' fingerprints, replayed to its step to settle it
+    spike_row: list = field(default_factory=list)  # (step, loss) of the spikes in the current row
+    spike_rollback_from: int = 0  # the first spike step the last spike rollback rewound past
     last_loss: float = math.nan
 
 
@@ -78,6 +80,7 @@ class Job:
     collectives: Tracker = field(default_factory=Tracker)  # liftoff's own collectives, counted (hangs)
     straggling: set = field(default_factory=set)  # the ranks the last straggler check flagged
     quarantined: set = field(default_factory=set)  # the nodes this run quarantined
+    sdc_blamed: set = field(default_factory=set)  # the ranks an SDC check blamed in this launch
     on_step: list = field(default_factory=list)  # callables(step), run as each step starts
     forward_dtypes: dict = field(default_factory=dict)  # dtypes seen inside a forward (mixed precision's effect)
 

@@ -31,7 +31,7 @@ STEP_GAUGES = {
     "liftoff_train_data_seconds": ("data_s", "time spent waiting for batches"),
     "liftoff_train_optimizer_seconds": ("optimizer_s", "clip and optimizer step"),
     "liftoff_train_peak_memory_bytes": ("peak_memory_bytes", "peak device memory (CPU: peak resident set)"),
-    "liftoff_train_skipped_steps": ("skipped_steps", "non-finite steps skipped so far"),
+    "liftoff_train_skipped_steps": ("skipped_steps", "steps whose update was dropped (non-finite or a spike)"),
     "liftoff_checkpoint_blocking_seconds": ("checkpoint_blocking_s", "the last save's time on the training thread"),
     "liftoff_checkpoint_background_seconds": ("checkpoint_background_s", "the last seal and publish, off the step"),
     "liftoff_train_last_step_timestamp_seconds": ("time", "unix time the last step finished"),

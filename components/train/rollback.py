@@ -26,6 +26,7 @@ def restore_state(job: Job, state: TrainState, found: Resumed, loaded: dict) -> 
     state.step, state.samples, state.skipped = meta["step"], meta["samples"], meta.get("skipped_steps", 0)
     state.skip_windows = [list(w) for w in meta.get("skipped_samples", [])]
     state.bad_in_row = state.spikes_in_row = 0
+    state.spike_row = []
     job.guards.restore(meta.get("recent_losses"))
     if "rng" in loaded["rank_state"]:
         torch.set_rng_state(loaded["rank_state"]["rng"])

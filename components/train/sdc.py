@@ -25,6 +25,7 @@ algorithms`); a majority needs none.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -85,10 +86,15 @@ SETTLE = 8.0  # the culprit's distance from the replay is at least this many tim
 def settle(values: list[list[float]], replayed: list[float]) -> Verdict:
     """The tie's ranks' values at the disagreeing elements against the replay's: the ranks far
     from it (beyond SETTLE times the nearest) were corrupted."""
-    far = [max((abs(v - c) for v, c in zip(vals, replayed, strict=True)), default=0.0) for vals in values]
+    far = [max((_distance(v, c) for v, c in zip(vals, replayed, strict=True)), default=0.0) for vals in values]
     near = min(far)
     culprits = [r for r, d in enumerate(far) if (d > 0 if near == 0 else d > SETTLE * near)]
     return Verdict(culprits, "replay", settled=0 < len(culprits) < len(values), distances=far)
+
+
+def _distance(v: float, c: float) -> float:
+    d = abs(v - c)
+    return d if math.isfinite(d) else math.inf  # a NaN is as far as it gets
 
 
 def differing(now: list[tuple], names: list[str]) -> list[str]:
@@ -139,19 +145,24 @@ def check(job: Job, state: TrainState) -> bool:
         dist.all_gather(gathered, mine)
     now = [tuple(t.tolist()) for t in gathered]
     step, names = state.step, [clean_name(n) for n, _ in job.model.named_parameters()]
-    pending = state.sdc_suspect if state.sdc_suspect and state.sdc_suspect["step"] == step else None
-    state.sdc_suspect = None
+    suspect = state.sdc_suspect  # a tie being replayed: kept across the checks before its step
+    pending = suspect if suspect is not None and suspect["step"] <= step else None
     verdict = judge(now)
-    if pending is not None:  # the replay of a tie reached its step: the replay is the third opinion
-        tensors = pending["tensors"]
-        if verdict is None:
-            verdict = settle(pending["values"], replayed_values(job, pending["positions"]))
-        else:
-            verdict = Verdict(verdict.culprits, "replay", settled=False)  # it disagrees again
+    if suspect is not None and (pending is not None or verdict is not None):
+        state.sdc_suspect = None
+        tensors = suspect["tensors"]
+        if verdict is None:  # the replay reached the tie's step: the replay is the third opinion
+            verdict = settle(suspect["values"], replayed_values(job, suspect["positions"]))
+        else:  # the replay disagrees again
+            verdict = Verdict(verdict.culprits or list(range(job.world)), "replay", settled=False)
+        pending = suspect
     elif verdict is None:
         return True
     else:
         tensors = differing(now, names)
+    repeat = [r for r in verdict.culprits if r in job.sdc_blamed]
+    if repeat:  # blamed before in this launch: its fault recurs, so this launch must end
+        verdict.settled = False
     if verdict.how == "tie":  # two replicas: replay from the checkpoint to this step to tell
         positions, values = disagreeing_elements(job, tensors, step)
         why = f"silent data corruption: the replicas' weights differ at step {step} ({', '.join(tensors[:3])})"
@@ -166,8 +177,11 @@ def check(job: Job, state: TrainState) -> bool:
     reason = f"silent data corruption: {said} held weights the other replicas did not at step {step} ({verdict.how})"
     if not verdict.settled:
         where = ", ".join(tensors[:3])
-        raise SDCError(f"silent data corruption: the replicas' weights differ at step {step} ({where}) and "
-                       "the replay from the checkpoint did not settle which replica is wrong")  # fmt: skip
+        suspects = said if verdict.culprits else "every rank"
+        why = "it recurs in this launch" if repeat else "the replay from the checkpoint did not settle which is wrong"
+        raise SDCError(f"silent data corruption: the replicas' weights differ at step {step} ({where}); "
+                       f"suspects: {suspects}; {why}")  # fmt: skip
+    job.sdc_blamed.update(verdict.culprits)
     for r in verdict.culprits:
         evidence = {"rank": r, "step": step, "tensors": tensors, "decided_by": verdict.how}
         evidence |= {"distances": verdict.distances} if verdict.distances else {}

@@ -64,7 +64,7 @@ def train_step(job: Job, state: TrainState) -> dict:
     first_batch = None  # replayed to name the culprit module if the step turns out non-finite
     for micro in range(accum):
         t_data = time.perf_counter()
-        state.samples = past_skipped(state.samples, state.skip_windows)  # a spike rollback's windows
+        state.samples = past_skipped(state.samples, job.sampler.samples_per_micro_batch, state.skip_windows)
         batch = job.sampler.batch(state.samples, job.device)
         data_s += time.perf_counter() - t_data
         first_batch = batch if first_batch is None else first_batch
@@ -127,6 +127,7 @@ def record_outcome(job: Job, state: TrainState, finding, stepped: bool, step_los
     spike = finding is not None and finding.kind == "spike"
     if spike:
         state.spike_from = state.spike_from if state.spikes_in_row else (state.step, first_sample)
+        state.spike_row = (state.spike_row if state.spikes_in_row else []) + [(state.step, step_loss)]
         state.spikes_in_row += 1
         state.skipped += not stepped
         job.monitor.event("loss_spike", step=state.step, loss=step_loss, running_median=finding.median,
@@ -138,8 +139,8 @@ def record_outcome(job: Job, state: TrainState, finding, stepped: bool, step_los
         state.spikes_in_row = 0
     if stepped:
         state.bad_in_row, state.last_loss = 0, step_loss
-        if math.isfinite(step_loss) and not spike:
-            job.guards.stepped(step_loss)
+    if math.isfinite(step_loss) and (stepped or spike):
+        job.guards.stepped(step_loss, spike)  # a spike joins the median only where the guard lets the run go on
     elif not spike:
         state.skipped += 1
         state.bad_in_row += 1
@@ -165,10 +166,13 @@ def act_on_findings(job: Job, state: TrainState, record: dict) -> bool:
                f"{t.loss_spike_factor} x the running median (train.on_spike={t.on_spike.value})")  # fmt: skip
         if action == Guard.halt:
             raise GuardHalt(f"{why}: loss {record['loss']:.4g} at step {step}")
-        window = [start, state.samples]
+        if first <= state.spike_rollback_from:  # it spikes again where the last rewind went past its data
+            raise GuardHalt(f"{why}, again after rewinding past the data of a spike at step {first}: not the data")
+        window, spikes = [start, state.samples], [list(s) for s in state.spike_row]
         state.skip_windows = add_window(state.skip_windows, *window)
-        target = roll_back(job, state, first - 1, why, rewind=True)
-        job.monitor.event("rollback", step=step, reason="loss_spike", to=str(target.ref),
+        target = roll_back(job, state, first - 1, why, rewind=True)  # the history goes back: the spikes are kept here
+        state.spike_rollback_from = first
+        job.monitor.event("rollback", step=step, reason="loss_spike", to=str(target.ref), spikes=spikes,
                           skipped_samples=window, skipped_windows=state.skip_windows)  # fmt: skip
         return True
     if not record["stepped"] and not record["spike"]:
@@ -191,7 +195,7 @@ def checkpoint(job: Job, state: TrainState) -> None:
             "samples": state.samples,
             "loss": state.last_loss,
             "skipped_steps": state.skipped,
-            "skipped_samples": state.skip_windows,
+            "skipped_samples": [list(w) for w in state.skip_windows],
             "recent_losses": job.guards.state(),
             "identity": job.identity,
             "model": drop_none(as_plain_dict(job.model_cfg)),
@@ -305,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             validate(job, step)
         if sdc.due(step, job.train) and not sdc.check(job, state):
             continue  # the replicas disagreed: never committed, rewound
-        checkpoint(job, state)
+        if not job.guards.holds_checkpoints(state.spikes_in_row):  # a row of spikes may still be rewound
+            checkpoint(job, state)
     profiler.close(state.step)
     result = finish(job, state, resumed_from)
     job.sampler.blocks.close()  # no prefetch left running

@@ -18,7 +18,9 @@ from tests.faults import injected
 from tests.train.test_training import TWO_NODES, events, final_weights
 
 FLIPPED = "model.layers.0.mlp.up_proj.weight"
-SDC_RUN = [*TWO_NODES, "train.steps=20", "train.checkpoint_interval=10", "train.sdc_interval=5"]
+# checks after steps 4, 8, 10 (the checkpoint), 12, 16, 20: the flip after step 12 is found at 16,
+# and the replay from step 10 passes the check at 12 on its way back to 16
+SDC_RUN = [*TWO_NODES, "train.steps=20", "train.checkpoint_interval=10", "train.sdc_interval=4"]
 
 
 def test_a_flipped_bit_on_one_replica_is_found_named_quarantined_and_rolled_back(dataset_store, tmp_path):
@@ -30,17 +32,20 @@ def test_a_flipped_bit_on_one_replica_is_found_named_quarantined_and_rolled_back
         hit = hit_trainer.run(*SDC_RUN)
 
     node = f"{socket.gethostname()}-node1"
-    # found at the next check (step 15), never committed: the run replayed from the step-10 checkpoint
+    # found at the next check (step 16), never committed: the run replayed from the step-10 checkpoint
     mismatch = events(hit.metrics, "sdc_mismatch")
-    assert [m["step"] for m in mismatch] == [15] and mismatch[0]["tensors"] == [FLIPPED]
+    assert [m["step"] for m in mismatch] == [16] and mismatch[0]["tensors"] == [FLIPPED]
     assert "-step10-" in mismatch[0]["replay_from"]
     found = events(hit.metrics, "sdc")
     assert len(found) == 1 and found[0]["ranks"] == [1] and found[0]["nodes"] == [node]
-    assert found[0]["decided_by"] == "replay" and "-step10-" in found[0]["rolled_back_to"]
+    assert found[0]["step"] == 16 and found[0]["decided_by"] == "replay" and "-step10-" in found[0]["rolled_back_to"]
+    near, far = sorted(found[0]["distances"])
+    assert far > 1000 * near  # rank 1 a flipped bit from the replay; rank 0 only by what it took in
     # rank 1's node is quarantined in the store, where the next launch's preflight reads it
     records = fleet.quarantined(hit_trainer.store)
     assert list(records) == [node] and records[node].source == "sdc"
     assert records[node].evidence["rank"] == 1 and records[node].evidence["tensors"] == [FLIPPED]
+    assert records[node].evidence["step"] == 16
     # no bad state survives on any rank: both replicas end bit-identical to the uninterrupted run's
     clean_hashes = {p.name: p.read_text() for p in clean_dir.glob("rank*.txt")}
     hit_hashes = {p.name: p.read_text() for p in hit_dir.glob("rank*.txt")}
@@ -61,6 +66,7 @@ def test_a_spike_from_a_corrupted_window_rewinds_past_it_and_the_lineage_lists_i
     rollback = events(r.metrics, "rollback")
     assert len(rollback) == 1 and rollback[0]["reason"] == "loss_spike" and "-step10-" in rollback[0]["to"]
     assert rollback[0]["skipped_samples"] == window
+    assert [step for step, _ in rollback[0]["spikes"]] == [14, 15]  # the rewound history keeps what it saw
     # the model's lineage says which samples it never trained on; its loss curve has no spike
     model = trainer.store.manifest(r.model.ref)  # read back from the store
     assert model.metadata["skipped_samples"] == [window] and r.result.skipped_samples == [window]
@@ -96,6 +102,8 @@ def test_the_fingerprint_changes_with_one_bit_and_the_verdicts_name_who_was_wron
     assert sdc.judge([a, b]).how == "tie"  # two replicas: the replay decides
     # rank 1 is a bit flip away from the replayed value; rank 0 only by the noise it took in
     assert sdc.settle([[0.5 + 1e-9], [0.5 + 3e-5]], [0.5]).culprits == [1]
+    assert sdc.settle([[0.5 + 3e-5], [0.5 + 1e-9]], [0.5]).culprits == [0]
+    assert sdc.settle([[float("nan")], [0.5 + 1e-9]], [0.5]).culprits == [0]  # a NaN is far
     assert not sdc.settle([[0.5 + 1e-6], [0.5 + 2e-6]], [0.5]).settled  # neither clearly nearer
 
 
@@ -103,4 +111,5 @@ def test_skipped_windows_merge_and_the_sample_order_jumps_over_them():
     windows = guards.add_window([], 16, 24)
     windows = guards.add_window(windows, 8, 16)
     assert windows == [[8, 24]] and guards.add_window(windows, 40, 48) == [[8, 24], [40, 48]]
-    assert [guards.past_skipped(s, [[8, 24], [24, 32]]) for s in (0, 8, 20, 32)] == [0, 32, 32, 32]
+    assert [guards.past_skipped(s, 8, [[8, 24], [24, 32]]) for s in (0, 8, 20, 32)] == [0, 32, 32, 32]
+    assert guards.past_skipped(4, 8, [[8, 24]]) == 24  # a micro-batch straddling the window's start
