@@ -40,7 +40,9 @@ def fault_env(**faults) -> dict[str, str]:
     parameter gets one flipped mantissa bit in its first element after that step (once per
     process: a transient fault); corrupt_samples [start, end): those global samples' blocks read
     as one repeated token (a corrupted data window); weights_dir: every rank writes the sha256 of
-    its parameters' bytes there as it exits."""
+    its parameters' bytes there as it exits; perturb_rank/perturb_step/perturb_param/perturb_value:
+    that rank's weight-gradient matmul is off by the value in one element, once (a transient
+    compute fault)."""
     return {PLUGIN_ENV: "tests.faults", FAULTS_ENV: json.dumps(faults)}
 
 
@@ -103,6 +105,8 @@ def install(job, state) -> None:
 
     if job.rank == f.get("flip_rank", -1):
         flip_bit(job, f["flip_step"], f["flip_param"])
+    if job.rank == f.get("perturb_rank", -1):
+        perturb_gradient(job, state, f["perturb_step"], f["perturb_param"], f["perturb_value"])
     if f.get("corrupt_samples"):
         corrupt(job, *f["corrupt_samples"])
     if f.get("weights_dir"):
@@ -144,6 +148,25 @@ def flip_bit(job, at_step: int, name: str, bit: int = 12) -> None:
             log.warning("fault injection: rank %d flips bit %d of %s[0] after step %d", job.rank, bit, name, at_step)
 
     job.on_step.append(flip)
+
+
+def perturb_gradient(job, state, at_step: int, name: str, value: float) -> None:
+    """The weight-gradient GEMM of that parameter is off by `value` in one element at `at_step`
+    (once per process: a transient compute fault), before DDP reduces it."""
+    from components.train.nonfinite import clean_name
+
+    weight = next(p for n, p in job.model.named_parameters() if clean_name(n) == name)
+    done: list = []
+
+    def perturb(grad):
+        if state.step == at_step and not done:
+            done.append(at_step)
+            grad = grad.clone()
+            grad.view(-1)[0] += value
+            log.warning("fault injection: rank %d's %s gradient off by %g at step %d", job.rank, name, value, at_step)
+        return grad
+
+    weight.register_hook(perturb)
 
 
 def corrupt(job, start: int, end: int) -> None:

@@ -22,6 +22,7 @@ from components.train import checkpoint as ckpt
 from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.collectives import Tracker, hand_back_hang
 from components.train.data import BlockSampler
+from components.train.grad_norms import LocalGradNorms
 from components.train.guards import Guards
 from components.train.model import build_model, count_params
 from components.train.monitor import Monitor, Watchdog
@@ -77,6 +78,7 @@ class Job:
     flops_per_token: float
     float8_modules: list[str]
     guards: Guards
+    grad_norms: LocalGradNorms
     collectives: Tracker = field(default_factory=Tracker)  # liftoff's own collectives, counted (hangs)
     straggling: set = field(default_factory=set)  # the ranks the last straggler check flagged
     quarantined: set = field(default_factory=set)  # the nodes this run quarantined
@@ -169,6 +171,7 @@ def build_job(spec: TrainSpec) -> Job:
         flops_per_token=n_flops,
         float8_modules=float8,
         guards=Guards(train),
+        grad_norms=LocalGradNorms(model if train.sdc_interval > 0 else None),
     )
 
 

@@ -18,6 +18,12 @@ state. A disagreement the replay cannot settle (the replay disagrees again, or n
 clearly nearer) fails the stage, the ranks named.
 
 Under FSDP every rank holds another shard: there is no replica to compare, and no check runs.
+On the steps a check runs, each DDP rank also measures its gradient norm before the reduction
+(a comm hook); a rank GRAD_OUTLIER times its peers' median, or non-finite, is an outlier: its
+gradients already reached every replica, so the run rewinds and replays the step. An outlier
+that reproduces bit for bit is the data's (recorded, nothing blamed); one that does not is a
+device's, and its rank is blamed as above. Only the check steps are measured: a sample.
+
 The replay needs deterministic kernels to attribute a tie on a GPU (`torch.use_deterministic_
 algorithms`); a majority needs none.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass
 
@@ -134,57 +141,104 @@ def replayed_values(job: Job, positions: dict[str, list[int]]) -> list[float]:
     return out
 
 
+GRAD_OUTLIER = 10.0  # a rank's local gradient norm this many times its peers' median is an outlier
+
+
+def grad_outliers(norms: list[float]) -> list[int]:
+    """The ranks whose local gradient norm is non-finite or GRAD_OUTLIER times the others' median."""
+    if len(norms) < 2 or any(n < 0 for n in norms):  # not measured everywhere
+        return []
+    odd = []
+    for r, n in enumerate(norms):
+        others = [m for i, m in enumerate(norms) if i != r and math.isfinite(m)]
+        if others and (not math.isfinite(n) or n > GRAD_OUTLIER * statistics.median(others)):
+            odd.append(r)
+    return odd if len(odd) < len(norms) else []
+
+
+def _gather(job: Job, step: int) -> tuple[list[tuple], list[float]]:
+    """Every rank's fingerprints and local gradient norm (its float64 bits in the last slot)."""
+    mine = fingerprint(job.model)
+    norm = torch.tensor([job.grad_norms.take()], dtype=torch.float64, device=mine.device).view(torch.int64)
+    mine = torch.cat([mine, norm])
+    gathered = [torch.zeros_like(mine) for _ in range(job.world)]
+    with job.collectives.collective("all_gather", "sdc fingerprints", step):
+        dist.all_gather(gathered, mine)
+    return [tuple(t[:-1].tolist()) for t in gathered], [float(t[-1:].view(torch.float64)) for t in gathered]
+
+
+def _replayed(job: Job, suspect: dict, now: Verdict | None, norms: list[float]) -> Verdict | None:
+    """The verdict once the replay of a suspect step came back; None: the outlier reproduced
+    bit for bit, so it is the data's, not a device's."""
+    if now is not None:  # the replay disagrees again
+        return Verdict(now.culprits or list(range(job.world)), "replay", settled=False)
+    if suspect["kind"] == "weights":
+        return settle(suspect["values"], replayed_values(job, suspect["positions"]))
+    changed = [r for r in suspect["ranks"] if norms[r] != suspect["norms"][r]]
+    return Verdict(changed, "replay") if changed else None
+
+
+def _replay(job: Job, state: TrainState, kind: str, why: str, **suspect) -> bool:
+    """Rewind to the newest checkpoint; the loop replays to this step, where the suspect is judged."""
+    step = state.step
+    target = roll_back(job, state, step - 1, why, rewind=True)
+    state.sdc_suspect = {"step": step, "kind": kind, "replay_from": str(target.ref), **suspect}
+    return False
+
+
 def check(job: Job, state: TrainState) -> bool:
     """Compare the replicas' weights after this step; True when they agree (the step may be
     committed), False when the run rewound (the loop goes on from the checkpoint's step)."""
     if job.fsdp or job.world == 1:
         return True
-    mine = fingerprint(job.model)
-    gathered = [torch.zeros_like(mine) for _ in range(job.world)]
-    with job.collectives.collective("all_gather", "sdc fingerprints", state.step):
-        dist.all_gather(gathered, mine)
-    now = [tuple(t.tolist()) for t in gathered]
     step, names = state.step, [clean_name(n) for n, _ in job.model.named_parameters()]
-    suspect = state.sdc_suspect  # a tie being replayed: kept across the checks before its step
-    pending = suspect if suspect is not None and suspect["step"] <= step else None
+    now, norms = _gather(job, step)
+    suspect = state.sdc_suspect  # a suspect step being replayed: kept across the checks before it
     verdict = judge(now)
-    if suspect is not None and (pending is not None or verdict is not None):
-        state.sdc_suspect = None
-        tensors = suspect["tensors"]
-        if verdict is None:  # the replay reached the tie's step: the replay is the third opinion
-            verdict = settle(suspect["values"], replayed_values(job, suspect["positions"]))
-        else:  # the replay disagrees again
-            verdict = Verdict(verdict.culprits or list(range(job.world)), "replay", settled=False)
-        pending = suspect
+    if suspect is not None and (suspect["step"] <= step or verdict is not None):
+        state.sdc_suspect, pending, tensors = None, suspect, suspect.get("tensors", [])
+        verdict = _replayed(job, suspect, verdict, norms)
+        if verdict is None:
+            job.monitor.event("grad_outlier_reproduced", step=step, norms=norms, ranks=suspect["ranks"])
+            return True
     elif verdict is None:
-        return True
+        if not (odd := grad_outliers(norms)):
+            return True
+        why = f"local gradient norms {norms} at step {step}: rank(s) {odd} an outlier"
+        _replay(job, state, "gradients", why, ranks=odd, norms=norms)
+        replay_from = state.sdc_suspect["replay_from"]
+        job.monitor.event("grad_outlier", step=step, ranks=odd, norms=norms, replay_from=replay_from)
+        return False
     else:
-        tensors = differing(now, names)
+        pending, tensors = None, differing(now, names)
     repeat = [r for r in verdict.culprits if r in job.sdc_blamed]
     if repeat:  # blamed before in this launch: its fault recurs, so this launch must end
         verdict.settled = False
     if verdict.how == "tie":  # two replicas: replay from the checkpoint to this step to tell
         positions, values = disagreeing_elements(job, tensors, step)
         why = f"silent data corruption: the replicas' weights differ at step {step} ({', '.join(tensors[:3])})"
-        target = roll_back(job, state, step - 1, why, rewind=True)
-        state.sdc_suspect = {"step": step, "tensors": tensors, "positions": positions, "values": values,
-                             "replay_from": str(target.ref)}  # fmt: skip
-        job.monitor.event("sdc_mismatch", step=step, tensors=tensors, elements=sum(map(len, positions.values())),
-                          replay_from=str(target.ref))  # fmt: skip
+        elements = sum(map(len, positions.values()))
+        _replay(job, state, "weights", why, tensors=tensors, positions=positions, values=values)
+        job.monitor.event("sdc_mismatch", step=step, tensors=tensors, elements=elements,
+                          replay_from=state.sdc_suspect["replay_from"])  # fmt: skip
         return False
     nodes = [job.monitor.hosts[r] for r in verdict.culprits]
     said = ", ".join(f"rank {r} on node {n}" for r, n in zip(verdict.culprits, nodes, strict=True)) or "no rank"
-    reason = f"silent data corruption: {said} held weights the other replicas did not at step {step} ({verdict.how})"
+    if pending and pending["kind"] == "gradients":
+        reason = f"silent data corruption: {said}: its local gradient norm at step {step} did not reproduce on replay"
+    else:
+        reason = f"silent data corruption: {said} held weights its peers did not at step {step} ({verdict.how})"
     if not verdict.settled:
         where = ", ".join(tensors[:3])
         suspects = said if verdict.culprits else "every rank"
         why = "it recurs in this launch" if repeat else "the replay from the checkpoint did not settle which is wrong"
-        raise SDCError(f"silent data corruption: the replicas' weights differ at step {step} ({where}); "
+        raise SDCError(f"silent data corruption at step {step} ({where or 'local gradient norms'}); "
                        f"suspects: {suspects}; {why}")  # fmt: skip
     job.sdc_blamed.update(verdict.culprits)
     for r in verdict.culprits:
         evidence = {"rank": r, "step": step, "tensors": tensors, "decided_by": verdict.how}
         evidence |= {"distances": verdict.distances} if verdict.distances else {}
+        evidence |= {"norms": norms, "norms_first_pass": pending["norms"]} if pending and "norms" in pending else {}
         quarantine_rank(job, r, "sdc", reason, evidence)
     rolled = pending["replay_from"] if pending else None
     if verdict.how == "majority":  # the culprits' state goes: every rank back to the checkpoint

@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         job.watchdog.beat()
         for hook in job.on_step:
             hook(step)
+        job.grad_norms.arm(sdc.due(step, job.train))  # the local gradient norms a check compares
         record = train_step(job, state)
         record["mfu"] = line.mfu(record["tokens_per_s"])
         record.update(job.checkpointer.seconds)

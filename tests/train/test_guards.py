@@ -23,10 +23,20 @@ FLIPPED = "model.layers.0.mlp.up_proj.weight"
 SDC_RUN = [*TWO_NODES, "train.steps=20", "train.checkpoint_interval=10", "train.sdc_interval=4"]
 
 
-def test_a_flipped_bit_on_one_replica_is_found_named_quarantined_and_rolled_back(dataset_store, tmp_path):
-    clean_dir, hit_dir = tmp_path / "clean-weights", tmp_path / "hit-weights"
-    with injected(weights_dir=str(clean_dir)):
-        clean = Trainer(dataset_store, tmp_path / "clean").run(*SDC_RUN)
+@pytest.fixture(scope="module")
+def clean_run(dataset_store, tmp_path_factory):
+    """The uninterrupted run both SDC tests compare with, and each rank's final weights hash."""
+    tmp = tmp_path_factory.mktemp("clean")
+    with injected(weights_dir=str(tmp / "weights")):
+        run = Trainer(dataset_store, tmp / "run").run(*SDC_RUN)
+    hashes = {p.name: p.read_text() for p in (tmp / "weights").glob("rank*.txt")}
+    assert len(hashes) == 2
+    return run, hashes
+
+
+def test_a_flipped_bit_on_one_replica_is_found_named_quarantined_and_rolled_back(clean_run, dataset_store, tmp_path):
+    clean, clean_hashes = clean_run
+    hit_dir = tmp_path / "hit-weights"
     hit_trainer = Trainer(dataset_store, tmp_path / "hit")
     with injected(flip_rank=1, flip_step=12, flip_param=FLIPPED, weights_dir=str(hit_dir)):
         hit = hit_trainer.run(*SDC_RUN)
@@ -47,13 +57,37 @@ def test_a_flipped_bit_on_one_replica_is_found_named_quarantined_and_rolled_back
     assert records[node].evidence["rank"] == 1 and records[node].evidence["tensors"] == [FLIPPED]
     assert records[node].evidence["step"] == 16
     # no bad state survives on any rank: both replicas end bit-identical to the uninterrupted run's
-    clean_hashes = {p.name: p.read_text() for p in clean_dir.glob("rank*.txt")}
-    hit_hashes = {p.name: p.read_text() for p in hit_dir.glob("rank*.txt")}
-    assert len(clean_hashes) == 2 and hit_hashes == clean_hashes
+    assert {p.name: p.read_text() for p in hit_dir.glob("rank*.txt")} == clean_hashes
     a, b = final_weights(clean), final_weights(hit)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
     steps, _ = read_records(hit.metrics)
     assert [s["step"] for s in steps] == list(range(1, 21))  # the history is the verified one
+
+
+def test_a_rank_whose_gradient_matmul_is_off_once_is_found_by_its_norm_and_blamed_on_replay(
+    clean_run, dataset_store, tmp_path
+):
+    """Rank 0's weight-gradient matmul is off in one element at step 12 (a check step): the
+    gradient reaches both replicas through the all-reduce, so the weights agree; its local
+    gradient norm before the reduction is the outlier, and the replay from step 10 does not
+    reproduce it."""
+    clean, clean_hashes = clean_run
+    hit_trainer = Trainer(dataset_store, tmp_path / "hit")
+    faults = {"perturb_rank": 0, "perturb_step": 12, "perturb_param": FLIPPED, "perturb_value": 100.0}
+    with injected(**faults, weights_dir=str(tmp_path / "weights")):
+        hit = hit_trainer.run(*SDC_RUN)
+    outlier = events(hit.metrics, "grad_outlier")
+    assert [(e["step"], e["ranks"]) for e in outlier] == [(12, [0])] and "-step10-" in outlier[0]["replay_from"]
+    node = f"{socket.gethostname()}-node0"
+    found = events(hit.metrics, "sdc")
+    assert [(e["step"], e["ranks"], e["nodes"], e["decided_by"]) for e in found] == [(12, [0], [node], "replay")]
+    records = fleet.quarantined(hit_trainer.store)
+    assert list(records) == [node] and records[node].source == "sdc"
+    first, replayed = records[node].evidence["norms_first_pass"], records[node].evidence["norms"]
+    assert first[0] > 10 * first[1] and replayed[0] < 10 * replayed[1]
+    assert {p.name: p.read_text() for p in (tmp_path / "weights").glob("rank*.txt")} == clean_hashes
+    a, b = final_weights(clean), final_weights(hit)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
 
 
 def test_a_spike_from_a_corrupted_window_rewinds_past_it_and_the_lineage_lists_it(trainer):
