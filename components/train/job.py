@@ -83,6 +83,7 @@ class Job:
     straggling: set = field(default_factory=set)  # the ranks the last straggler check flagged
     quarantined: set = field(default_factory=set)  # the nodes this run quarantined
     sdc_blamed: set = field(default_factory=set)  # the ranks an SDC check blamed in this launch
+    sdc_reproduced: set = field(default_factory=set)  # steps whose gradient outlier reproduced on replay
     on_step: list = field(default_factory=list)  # callables(step), run as each step starts
     forward_dtypes: dict = field(default_factory=dict)  # dtypes seen inside a forward (mixed precision's effect)
 
@@ -171,7 +172,7 @@ def build_job(spec: TrainSpec) -> Job:
         flops_per_token=n_flops,
         float8_modules=float8,
         guards=Guards(train),
-        grad_norms=LocalGradNorms(model if train.sdc_interval > 0 else None),
+        grad_norms=LocalGradNorms(model if train.sdc_interval > 0 else None, world),
     )
 
 

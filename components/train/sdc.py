@@ -145,21 +145,43 @@ GRAD_OUTLIER = 10.0  # a rank's local gradient norm this many times its peers' m
 
 
 def grad_outliers(norms: list[float]) -> list[int]:
-    """The ranks whose local gradient norm is non-finite or GRAD_OUTLIER times the others' median."""
+    """The ranks whose local gradient norm is non-finite, or GRAD_OUTLIER times above or below
+    the others' median. With two ranks far apart both are suspects: the replay tells."""
     if len(norms) < 2 or any(n < 0 for n in norms):  # not measured everywhere
         return []
-    odd = []
-    for r, n in enumerate(norms):
-        others = [m for i, m in enumerate(norms) if i != r and math.isfinite(m)]
-        if others and (not math.isfinite(n) or n > GRAD_OUTLIER * statistics.median(others)):
-            odd.append(r)
-    return odd if len(odd) < len(norms) else []
+    finite = [n for n in norms if math.isfinite(n)]
+    if not finite:
+        return []
+    if len(norms) == 2:  # no median to stand for the healthy: both far apart are suspects
+        a, b = norms
+        far = len(finite) == 1 or max(a, b) > GRAD_OUTLIER * min(a, b)
+        return [0, 1] if far else []
+    median = statistics.median(finite)
+    far = [r for r, n in enumerate(norms) if n > GRAD_OUTLIER * median or n * GRAD_OUTLIER < median]
+    return [r for r, n in enumerate(norms) if not math.isfinite(n) or r in far]
+
+
+REPRODUCES = 1e-3  # a replayed norm within this relative distance of the first pass's is the same
+
+
+def reproduced(before: float, after: float) -> bool:
+    if not (math.isfinite(before) and math.isfinite(after)):
+        return math.isfinite(before) == math.isfinite(after)  # NaN again is NaN reproduced
+    return abs(after - before) <= REPRODUCES * max(abs(before), abs(after), 1e-30)
+
+
+def safe(norms: list[float]) -> list[float | None]:
+    """Norms as strict JSON takes them: a non-finite one is null."""
+    return [n if math.isfinite(n) else None for n in norms]
 
 
 def _gather(job: Job, step: int) -> tuple[list[tuple], list[float]]:
     """Every rank's fingerprints and local gradient norm (its float64 bits in the last slot)."""
     mine = fingerprint(job.model)
-    norm = torch.tensor([job.grad_norms.take()], dtype=torch.float64, device=mine.device).view(torch.int64)
+    local = job.grad_norms.take()
+    if local > 0 and job.scaler is not None:  # the norm of the gradients, not of the scaled loss's
+        local /= job.scaler.get_scale()
+    norm = torch.tensor([local], dtype=torch.float64, device=mine.device).view(torch.int64)
     mine = torch.cat([mine, norm])
     gathered = [torch.zeros_like(mine) for _ in range(job.world)]
     with job.collectives.collective("all_gather", "sdc fingerprints", step):
@@ -168,13 +190,13 @@ def _gather(job: Job, step: int) -> tuple[list[tuple], list[float]]:
 
 
 def _replayed(job: Job, suspect: dict, now: Verdict | None, norms: list[float]) -> Verdict | None:
-    """The verdict once the replay of a suspect step came back; None: the outlier reproduced
-    bit for bit, so it is the data's, not a device's."""
+    """The verdict once the replay of a suspect step came back; None: every suspect's norm
+    reproduced, so the outlier is the data's, not a device's."""
     if now is not None:  # the replay disagrees again
         return Verdict(now.culprits or list(range(job.world)), "replay", settled=False)
     if suspect["kind"] == "weights":
         return settle(suspect["values"], replayed_values(job, suspect["positions"]))
-    changed = [r for r in suspect["ranks"] if norms[r] != suspect["norms"][r]]
+    changed = [r for r in suspect["ranks"] if not reproduced(suspect["norms"][r], norms[r])]
     return Verdict(changed, "replay") if changed else None
 
 
@@ -186,7 +208,7 @@ def _replay(job: Job, state: TrainState, kind: str, why: str, **suspect) -> bool
     return False
 
 
-def check(job: Job, state: TrainState) -> bool:
+def check(job: Job, state: TrainState, stepped: bool = True) -> bool:
     """Compare the replicas' weights after this step; True when they agree (the step may be
     committed), False when the run rewound (the loop goes on from the checkpoint's step)."""
     if job.fsdp or job.world == 1:
@@ -197,17 +219,26 @@ def check(job: Job, state: TrainState) -> bool:
     verdict = judge(now)
     if suspect is not None and (suspect["step"] <= step or verdict is not None):
         state.sdc_suspect, pending, tensors = None, suspect, suspect.get("tensors", [])
+        if verdict is not None:  # the replay disagrees again: name what differs now
+            tensors = differing(now, names)
         verdict = _replayed(job, suspect, verdict, norms)
         if verdict is None:
-            job.monitor.event("grad_outlier_reproduced", step=step, norms=norms, ranks=suspect["ranks"])
+            job.sdc_reproduced.add(step)
+            job.monitor.event("grad_outlier_reproduced", step=step, norms=safe(norms), ranks=suspect["ranks"])
             return True
     elif verdict is None:
-        if not (odd := grad_outliers(norms)):
+        if not stepped or suspect is not None or not (odd := grad_outliers(norms)):
+            return True  # a dropped step, or a replay under way: nothing new to replay for
+        if step in job.sdc_reproduced:  # replayed before in this launch: the data's
             return True
         why = f"local gradient norms {norms} at step {step}: rank(s) {odd} an outlier"
-        _replay(job, state, "gradients", why, ranks=odd, norms=norms)
+        try:
+            _replay(job, state, "gradients", why, ranks=odd, norms=norms)
+        except GuardHalt:  # no checkpoint yet to replay from: recorded, and training goes on
+            job.monitor.event("grad_outlier", step=step, ranks=odd, norms=safe(norms), replay_from=None)
+            return True
         replay_from = state.sdc_suspect["replay_from"]
-        job.monitor.event("grad_outlier", step=step, ranks=odd, norms=norms, replay_from=replay_from)
+        job.monitor.event("grad_outlier", step=step, ranks=odd, norms=safe(norms), replay_from=replay_from)
         return False
     else:
         pending, tensors = None, differing(now, names)
@@ -225,7 +256,7 @@ def check(job: Job, state: TrainState) -> bool:
     nodes = [job.monitor.hosts[r] for r in verdict.culprits]
     said = ", ".join(f"rank {r} on node {n}" for r, n in zip(verdict.culprits, nodes, strict=True)) or "no rank"
     if pending and pending["kind"] == "gradients":
-        reason = f"silent data corruption: {said}: its local gradient norm at step {step} did not reproduce on replay"
+        reason = f"silent data corruption: {said}: local gradient norm at step {step} did not reproduce on replay"
     else:
         reason = f"silent data corruption: {said} held weights its peers did not at step {step} ({verdict.how})"
     if not verdict.settled:
@@ -238,7 +269,8 @@ def check(job: Job, state: TrainState) -> bool:
     for r in verdict.culprits:
         evidence = {"rank": r, "step": step, "tensors": tensors, "decided_by": verdict.how}
         evidence |= {"distances": verdict.distances} if verdict.distances else {}
-        evidence |= {"norms": norms, "norms_first_pass": pending["norms"]} if pending and "norms" in pending else {}
+        if pending and "norms" in pending:
+            evidence |= {"norms": safe(norms), "norms_first_pass": safe(pending["norms"])}
         quarantine_rank(job, r, "sdc", reason, evidence)
     rolled = pending["replay_from"] if pending else None
     if verdict.how == "majority":  # the culprits' state goes: every rank back to the checkpoint

@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             quarantine_stragglers(job, job.monitor.check_stragglers(step), step)
         if validates_at(step, job.train.val_interval, job.train.steps):
             validate(job, step)
-        if sdc.due(step, job.train) and not sdc.check(job, state):
+        if sdc.due(step, job.train) and not sdc.check(job, state, record["stepped"]):
             continue  # the replicas disagreed: never committed, rewound
         if not job.guards.holds_checkpoints(state.spikes_in_row):  # a row of spikes may still be rewound
             checkpoint(job, state)

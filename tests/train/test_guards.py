@@ -77,7 +77,8 @@ def test_a_rank_whose_gradient_matmul_is_off_once_is_found_by_its_norm_and_blame
     with injected(**faults, weights_dir=str(tmp_path / "weights")):
         hit = hit_trainer.run(*SDC_RUN)
     outlier = events(hit.metrics, "grad_outlier")
-    assert [(e["step"], e["ranks"]) for e in outlier] == [(12, [0])] and "-step10-" in outlier[0]["replay_from"]
+    # two ranks far apart are both suspects; the replay from step 10 tells which one it was
+    assert [(e["step"], e["ranks"]) for e in outlier] == [(12, [0, 1])] and "-step10-" in outlier[0]["replay_from"]
     node = f"{socket.gethostname()}-node0"
     found = events(hit.metrics, "sdc")
     assert [(e["step"], e["ranks"], e["nodes"], e["decided_by"]) for e in found] == [(12, [0], [node], "replay")]
@@ -139,6 +140,17 @@ def test_the_fingerprint_changes_with_one_bit_and_the_verdicts_name_who_was_wron
     assert sdc.settle([[0.5 + 3e-5], [0.5 + 1e-9]], [0.5]).culprits == [0]
     assert sdc.settle([[float("nan")], [0.5 + 1e-9]], [0.5]).culprits == [0]  # a NaN is far
     assert not sdc.settle([[0.5 + 1e-6], [0.5 + 2e-6]], [0.5]).settled  # neither clearly nearer
+
+
+def test_gradient_outliers_are_high_low_or_non_finite_and_a_replay_reproduces_within_a_tolerance():
+    nan = float("nan")
+    assert sdc.grad_outliers([1.0, 1.2, 30.0]) == [2] and sdc.grad_outliers([1.0, 0.01, 1.1]) == [1]
+    assert sdc.grad_outliers([1.0, nan, 1.1]) == [1] and sdc.grad_outliers([1.0, 1.5]) == []
+    assert sdc.grad_outliers([1.0, nan]) == [0, 1]
+    assert sdc.grad_outliers([100.0, 0.7]) == [0, 1]  # two ranks: both suspects
+    assert sdc.grad_outliers([1.0, -1.0]) == []  # not measured on every rank
+    assert sdc.reproduced(nan, nan) and sdc.reproduced(0.7, 0.7 * (1 + 1e-6)) and not sdc.reproduced(100.0, 0.7)
+    assert not sdc.reproduced(nan, 0.7)
 
 
 def test_skipped_windows_merge_and_the_sample_order_jumps_over_them():
