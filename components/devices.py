@@ -15,6 +15,15 @@ Infinity Fabric figure (~90% of one direction's link bandwidth: H100/H200 NVLink
 cards 20-40) and across nodes the network's per GPU (one 400 Gb/s NIC per GPU, as DGX/HGX
 H100, H200, B200 and MI300X nodes have: 50 GB/s; A100 nodes 200 Gb/s: 25; L40S/PCIe
 servers assumed at 100-200 Gb/s). Preflight measures the real figure (`allreduce_busbw_gbps_*`).
+
+Efficiency: the fraction of the dense bf16 peak a whole training step reached in a public
+benchmark, the bound `liftoff plan` times compute against, so a planned MFU is never above
+what the device has been seen to do. H100 / H200 / GH200 (one Hopper die, the same peak):
+0.47, Megatron-Core's "up to 47% MFU on H100" (NVIDIA/Megatron-LM README; GPT-3 175B at
+TP=4 x PP=8, 390 TFLOP/s per GPU; Meta's Llama 3 405B run reports 38-43% bf16 MFU on 16k
+H100s, "The Llama 3 Herd of Models", table 4). A100: 0.52, Narayanan et al. SC'21 (Megatron
+on 3,072 A100s: 163 TFLOP/s per GPU for a 1T model, 52% of peak, recomputation counted, so a
+generous bound). The others have no figure in these sources: 0.40, labelled an assumption.
 """
 
 from __future__ import annotations
@@ -29,18 +38,24 @@ class Device:
     memory_gb: float
     intra_node_busbw_gbps: float  # assumed all-reduce bus bandwidth per GPU within a node
     inter_node_busbw_gbps: float  # ... and across nodes (the network per GPU)
+    efficiency: float = 0.40  # the fraction of the bf16 peak a training step reaches (see above)
+    efficiency_source: str = "assumed: no published pretraining MFU for this device in the table's sources"
+
+
+MEGATRON_H100 = "Megatron-Core's best published MFU on H100 (GPT-3 175B, TP=4 x PP=8)"
+MEGATRON_A100 = "Megatron on 3,072 A100s (Narayanan et al., SC'21: 52% of peak, a 1T model)"
 
 
 # First match wins, so the more specific names come first ("GH200" before "H200").
 DEVICES: list[Device] = [
     Device("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}, 80.0, 40.0, 25.0),
-    Device("H100", {"bf16": 989.4, "fp8": 1978.9}, 80.0, 400.0, 50.0),  # SXM
-    Device("GH200", {"bf16": 989.4, "fp8": 1978.9}, 96.0, 400.0, 50.0),
-    Device("H200", {"bf16": 989.4, "fp8": 1978.9}, 141.0, 400.0, 50.0),
+    Device("H100", {"bf16": 989.4, "fp8": 1978.9}, 80.0, 400.0, 50.0, 0.47, MEGATRON_H100),  # SXM
+    Device("GH200", {"bf16": 989.4, "fp8": 1978.9}, 96.0, 400.0, 50.0, 0.47, MEGATRON_H100),
+    Device("H200", {"bf16": 989.4, "fp8": 1978.9}, 141.0, 400.0, 50.0, 0.47, MEGATRON_H100),
     Device("B200", {"bf16": 2250.0, "fp8": 4500.0}, 180.0, 800.0, 50.0),
-    Device("A100-SXM4-40GB", {"bf16": 312.0}, 40.0, 230.0, 25.0),
+    Device("A100-SXM4-40GB", {"bf16": 312.0}, 40.0, 230.0, 25.0, 0.52, MEGATRON_A100),
     Device("A100-PCIE-40GB", {"bf16": 312.0}, 40.0, 25.0, 25.0),
-    Device("A100", {"bf16": 312.0}, 80.0, 230.0, 25.0),
+    Device("A100", {"bf16": 312.0}, 80.0, 230.0, 25.0, 0.52, MEGATRON_A100),
     Device("L40S", {"bf16": 362.1, "fp8": 733.0}, 48.0, 20.0, 12.5),
     Device("MI300X", {"bf16": 1307.4, "fp8": 2614.9}, 192.0, 300.0, 50.0),
 ]

@@ -54,7 +54,9 @@ COMMANDS: dict[str, Command] = {
         cmd_run, "run [-m] [overrides]", "the whole DAG locally through kfp.local; -m sweeps, ends with a table"
     ),
     "plan": Command(
-        cmd_plan, "plan [overrides]", "memory / FLOPs / step-time plan, no hardware needed; exit 1 if it cannot fit"
+        cmd_plan,
+        "plan [--search] [overrides]",
+        "memory / FLOPs / step-time plan, no hardware needed; exit 1 if it cannot fit; --search ranks layouts",
     ),
     "artifacts": Command(
         cmd_artifacts,

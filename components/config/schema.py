@@ -118,6 +118,9 @@ class TrainConfig:
     parallelism: Parallelism = MISSING
     micro_batch_size: int = MISSING
     grad_accum_steps: int = MISSING
+    # FSDP/HSDP: reduce-scatter after every micro-batch (sharded gradients accumulate); false:
+    # only after the last, FSDP2 then holds unsharded fp32 gradients between them (less traffic)
+    fsdp_sync_every_microbatch: bool = MISSING
     steps: int = MISSING
     lr: float = MISSING
     warmup_steps: int = MISSING

@@ -17,8 +17,10 @@ h = hidden, L = layers, a = heads):
   scalar per parameter tensor: fp32 master + two moments, 12 B/param (7B: 84 GB, 10.5 GB
   per rank under FSDP over 8 ranks).
 - DDP replicates everything (gradients are views into its buckets, resident all the time);
-  FSDP shards weights, gradients and optimizer state over W, but with gradient accumulation
-  (sync off between micro-batches) FSDP2 holds unsharded fp32 gradients, 4 B/param more. On
+  FSDP shards weights, gradients and optimizer state over W. With gradient accumulation FSDP
+  reduce-scatters after every micro-batch by default (`train.fsdp_sync_every_microbatch`), so
+  only gradient shards accumulate; with the sync off between micro-batches FSDP2 holds
+  unsharded fp32 gradients, 4 B/param more, for 1/accum of the reduce-scatter traffic. On
   one process gradients are freed after each step and filled in during backward as
   activations are freed: the peak counts the larger of the two, not both.
 - Activations: what autograd saves for backward, per token (T = s·b tokens per micro-batch).
@@ -35,11 +37,13 @@ h = hidden, L = layers, a = heads):
 - Step time: compute = (FLOPs per token + the forward recomputed under activation
   checkpointing: 2·N_blocks + 4·L·a·(h/a)·s per checkpointed block's share) x tokens per
   device per step / TFLOP/s (preflight: the measured GEMM rate; `liftoff plan`: the device's
-  dense bf16 peak, an upper bound on speed); communication = DDP all-reduce of the fp32
+  dense bf16 peak x its efficiency, the best fraction of peak a public benchmark reached,
+  `components/devices.py`); communication = DDP all-reduce of the fp32
   gradients, 4N bytes: 2(W-1)/W·4N / busbw, or FSDP: all-gather of the compute-dtype
   parameters (G = Σ numel x the recipe's copy bytes: 4N fp32, 2N bf16, ~1N fp8) in forward
-  and again in backward for every micro-batch, and one reduce-scatter of the fp32 gradients:
-  (W-1)/W·(2·accum·G + 4N) / busbw (with accum 1 and fp32: 3·(W-1)/W·4N). busbw: preflight's
+  and again in backward for every micro-batch, and a reduce-scatter of the fp32 gradients
+  after every micro-batch (R = accum) or only the last (R = 1):
+  (W-1)/W·(2·accum·G + R·4N) / busbw (with accum 1 and fp32: 3·(W-1)/W·4N). busbw: preflight's
   measure, or the per-GPU-type assumption in `components/devices.py` (NVLink within a node,
   the network across nodes). Assumes no overlap of communication and compute (an upper
   bound on step time). tokens/s = tokens per step / step time; MFU = FLOPs per token ·
@@ -133,14 +137,16 @@ def checkpointed_blocks(model: ModelConfig, train: TrainConfig) -> int:
 def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: TrainConfig) -> float:
     """Bytes one rank sends per step before the ring's (W-1)/W: DDP all-reduces the fp32
     gradients (2 x 4N); FSDP all-gathers the compute-dtype parameters in forward and backward
-    of every micro-batch and reduce-scatters the fp32 gradients once."""
+    of every micro-batch and reduce-scatters the fp32 gradients after each micro-batch (or,
+    with `fsdp_sync_every_microbatch` off, after the last only)."""
     n = sum(t[1] for t in tensors)
     if train.parallelism != Parallelism.fsdp:
         return 2 * 4 * n
     gathered = sum(
         k * precision.copy_bytes(kind in ("linear", "lm_head"), fp8, True, train) for kind, k, fp8 in tensors
     )
-    return 2 * train.grad_accum_steps * gathered + 4 * n
+    reductions = train.grad_accum_steps if train.fsdp_sync_every_microbatch else 1
+    return 2 * train.grad_accum_steps * gathered + reductions * 4 * n
 
 
 def plan(
@@ -161,7 +167,7 @@ def plan(
     shard = world if sharded else 1
     weights = 4 * n / shard
     grads = 4 * n / shard
-    if sharded and train.grad_accum_steps > 1:
+    if sharded and train.grad_accum_steps > 1 and not train.fsdp_sync_every_microbatch:
         grads += 4 * n  # with gradient sync off between micro-batches FSDP2 keeps unsharded fp32 grads
     optimizer = (8 * n + 4 * len(tensors)) / shard
     precision = recipe(train.precision)

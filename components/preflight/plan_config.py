@@ -18,15 +18,18 @@ class PlanDevice:
     memory_source: str
     peak_tflops: float | None
     peak_source: str
+    efficiency: float  # the fraction of the peak compute is timed at (components/devices.py)
+    efficiency_source: str
     busbw_gbps: float | None
     busbw_source: str
 
 
 def plan_device(cfg) -> PlanDevice:
     """Device memory: `preflight.device_memory_gb`, else the device table by `cluster.gpu_type`,
-    else this host's RAM. Peak: `train.peak_tflops`, else the table's dense bf16 peak. Bus
+    else this host's RAM. Peak: `train.peak_tflops`, else the table's dense bf16 peak; compute
+    runs at the table's efficiency of it (an assumed 0.40 for a device not in it). Bus
     bandwidth: the table's assumption for one node or for the network across nodes."""
-    from components.devices import busbw_gbps, device
+    from components.devices import Device, busbw_gbps, device
 
     gpu = cfg.cluster.gpu_type
     spec = device(gpu) if gpu else None
@@ -43,6 +46,8 @@ def plan_device(cfg) -> PlanDevice:
         peak, peak_source = spec.peak_tflops["bf16"], f"dense bf16, {table}"
     else:
         peak, peak_source = None, "unknown: set cluster.gpu_type or train.peak_tflops for step time and MFU"
+    efficiency = spec.efficiency if spec else Device.efficiency
+    efficiency_source = spec.efficiency_source if spec else Device.efficiency_source
     nodes, world = cfg.cluster.nodes, cfg.cluster.nodes * cfg.cluster.procs_per_node
     if world == 1:
         busbw, busbw_source = None, "one device: no communication"
@@ -51,7 +56,9 @@ def plan_device(cfg) -> PlanDevice:
         busbw, busbw_source = busbw_gbps(spec, nodes), f"assumed, {link} ({gpu}, components/devices.py)"
     else:
         busbw, busbw_source = None, "unknown without cluster.gpu_type: communication left out"
-    return PlanDevice(gpu or "this host", memory, memory_source, peak, peak_source, busbw, busbw_source)
+    return PlanDevice(
+        gpu or "this host", memory, memory_source, peak, peak_source, efficiency, efficiency_source, busbw, busbw_source
+    )
 
 
 def plan_for(cfg) -> tuple[Plan, PlanDevice]:
@@ -65,7 +72,7 @@ def plan_for(cfg) -> tuple[Plan, PlanDevice]:
         world,
         cfg.data.seq_len,
         vocab,
-        tflops=d.peak_tflops,
+        tflops=d.peak_tflops * d.efficiency if d.peak_tflops else None,
         peak_tflops=d.peak_tflops,
         busbw_gbps=d.busbw_gbps,
     )
@@ -73,6 +80,7 @@ def plan_for(cfg) -> tuple[Plan, PlanDevice]:
 
 
 AC, PARALLELISM, MICRO_BATCH = "train.activation_checkpointing", "train.parallelism", "train.micro_batch_size"
+FSDP_SYNC = "train.fsdp_sync_every_microbatch"
 PROCS, NODES = "cluster.procs_per_node", "cluster.nodes"
 
 
@@ -91,10 +99,14 @@ def _fits_with(cfg, changes: dict) -> bool:
 
 
 def _candidates(cfg):
-    """Changes in order of cost, each adding to the last: activation checkpointing on, FSDP
-    instead of DDP, the micro batch halved down to 1, every GPU of a node used, then 2x, 4x,
-    8x and 16x the nodes."""
+    """Changes in order of cost, each adding to the last: FSDP's reduce-scatter after every
+    micro-batch (sharded gradients accumulate), activation checkpointing on, FSDP instead of
+    DDP, the micro batch halved down to 1, every GPU of a node used, then 2x, 4x, 8x and 16x
+    the nodes."""
     t, c, changes = cfg.train, cfg.cluster, {}
+    if not t.fsdp_sync_every_microbatch:
+        changes[FSDP_SYNC] = True
+        yield dict(changes)
     if not t.activation_checkpointing:
         changes[AC] = True
         yield dict(changes)
@@ -119,11 +131,21 @@ def suggest(cfg) -> dict | None:
     found = next((changes for changes in _candidates(cfg) if _fits_with(cfg, changes)), None)
     if found is None:
         return None
-    for key in (AC, PARALLELISM, MICRO_BATCH, PROCS):
+    for key in (FSDP_SYNC, AC, PARALLELISM, MICRO_BATCH, PROCS):
         fewer = {k: v for k, v in found.items() if k != key}
         if key in found and _fits_with(cfg, fewer):
             found = fewer
     return found
+
+
+def sync_skip(cfg) -> tuple[Plan, PlanDevice] | None:
+    """The plan with FSDP's gradient sync skipped between micro-batches, when this config
+    syncs every one and skipping it still fits (less traffic, for unsharded gradients)."""
+    t = cfg.train
+    if t.parallelism != Parallelism.fsdp or t.grad_accum_steps == 1 or not t.fsdp_sync_every_microbatch:
+        return None
+    p, d = plan_for(with_changes(cfg, {FSDP_SYNC: False}))
+    return (p, d) if fits(p, d.memory_gb, cfg.preflight.memory_safety) else None
 
 
 def as_overrides(changes: dict) -> list[str]:

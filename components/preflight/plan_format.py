@@ -65,7 +65,7 @@ def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
         ("model", f"{cfg.model.name}: {p.params / 1e9:.3g}B parameters, max_seq_len {cfg.model.max_seq_len}"),
         ("seq_len", f"{cfg.data.seq_len} ({seq_source})"),
         ("micro batch", f"{t.micro_batch_size} (train.micro_batch_size)"),
-        ("grad accumulation", f"{t.grad_accum_steps} (train.grad_accum_steps)"),
+        ("grad accumulation", f"{t.grad_accum_steps} (train.grad_accum_steps)" + _sync(t)),
         ("world size", f"{p.world} ({c.nodes} nodes x {c.procs_per_node} procs)"),
         ("global batch", f"{global_batch(cfg):,} sequences, {global_batch(cfg) * cfg.data.seq_len:,} tokens"),
         ("precision", f"{t.precision.value}{fp8}"),
@@ -74,8 +74,16 @@ def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
         ("device", d.name),
         ("device memory", f"{d.memory_gb:.1f} GB: {d.memory_source}"),
         ("peak", f"{d.peak_tflops:g} TFLOP/s: {d.peak_source}" if d.peak_tflops else d.peak_source),
+        ("efficiency", f"compute at {d.efficiency:.0%} of peak, MFU <= {d.efficiency:.0%}: {d.efficiency_source}"),
         ("bus bandwidth", busbw + d.busbw_source),
     ])  # fmt: skip
+
+
+def _sync(t) -> str:
+    if t.grad_accum_steps == 1 or t.parallelism.value != "fsdp":
+        return ""
+    when = "every micro-batch" if t.fsdp_sync_every_microbatch else "the last micro-batch only"
+    return f", reduce-scatter after {when} (train.fsdp_sync_every_microbatch)"
 
 
 def plan_warnings(cfg, seq_source: str) -> list[str]:

@@ -48,12 +48,14 @@ def wrap(model: torch.nn.Module, parallelism: Parallelism, device: torch.device,
     )
 
 
-def gradient_sync(model: torch.nn.Module, enabled: bool):
-    """Gradient accumulation: reduce gradients only on the last micro-batch. DDP has
-    `no_sync()`; FSDP2 has `set_requires_gradient_sync` instead."""
+def gradient_sync(model: torch.nn.Module, last: bool, fsdp_every_microbatch: bool = True):
+    """Gradient accumulation. DDP reduces only on the last micro-batch (`no_sync()` before it:
+    its gradients are whole on every rank anyway). FSDP2 reduce-scatters after every micro-batch
+    when `fsdp_every_microbatch`, so what accumulates is each rank's gradient shard; otherwise
+    it syncs the last only (`set_requires_gradient_sync`), keeping unsharded fp32 gradients."""
     if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(enabled)
+        model.set_requires_gradient_sync(last or fsdp_every_microbatch)
         return contextlib.nullcontext()
-    if enabled or not hasattr(model, "no_sync"):
+    if last or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
     return model.no_sync()

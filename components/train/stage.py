@@ -49,6 +49,7 @@ NOT_IDENTITY = {
     "watchdog_timeout_s",
     "peak_tflops",
     "compile",
+    "fsdp_sync_every_microbatch",  # the reduction order, as the world size: rounding, not the math
     "activation_checkpointing",
     "ac_every_n_blocks",
     "metrics_port",

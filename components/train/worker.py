@@ -69,7 +69,7 @@ def train_step(job: Job, state: TrainState) -> dict:
         data_s += time.perf_counter() - t_data
         first_batch = batch if first_batch is None else first_batch
         state.samples += job.sampler.samples_per_micro_batch
-        with gradient_sync(job.model, micro == accum - 1):
+        with gradient_sync(job.model, micro == accum - 1, job.train.fsdp_sync_every_microbatch):
             with forward:
                 loss = micro_loss(job, batch) / accum
             (job.scaler.scale(loss) if job.scaler is not None else loss).backward()

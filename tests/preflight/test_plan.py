@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from components.config import compose, defaults
 from components.devices import device
 from components.preflight.plan import fits, plan
-from components.preflight.plan_config import plan_for
+from components.preflight.plan_config import plan_for, with_changes
 from components.train.model import build_model
 from components.train.optim import build_optimizer
 from pipelines.cli import main
@@ -207,10 +207,10 @@ def test_128_way_fsdp_spends_time_communicating():
     p, device = plan_for(_cfg(*FSDP_70B, "cluster.nodes=16"))
     assert p.world == 128 and device.busbw_gbps and p.comm_s > 0 and p.step_time_s > p.compute_s
     assert 0 < p.mfu < 1
-    # only model FLOPs at the device's peak, nothing recomputed, nothing communicated: MFU 1
+    # only model FLOPs, nothing recomputed, nothing communicated: MFU is the device's efficiency bound
     alone, _ = plan_for(_cfg("cluster=kubernetes", "cluster.nodes=1", "cluster.procs_per_node=1",
                              "train.activation_checkpointing=false"))  # fmt: skip
-    assert alone.comm_s == 0 and alone.mfu == pytest.approx(1.0)
+    assert alone.comm_s == 0 and alone.mfu == pytest.approx(device.efficiency) and device.efficiency == 0.47
 
 
 def test_fsdp_all_gathers_at_the_compute_dtype():
@@ -221,3 +221,62 @@ def test_fsdp_all_gathers_at_the_compute_dtype():
         for precision in ("fp32", "bf16", "fp8")
     }  # fmt: skip
     assert comm["fp8"] < comm["bf16"] < comm["fp32"]
+
+
+ACCUM_70B = ["model=70b", "cluster=kubernetes", "data.seq_len=4096", "train.micro_batch_size=1",
+             "train.grad_accum_steps=16", "cluster.procs_per_node=8", "cluster.nodes=2",
+             "train.parallelism=fsdp", "train.precision=bf16"]  # fmt: skip
+
+
+def test_fsdp_accumulation_reduce_scatters_every_micro_batch_and_the_70b_plan_fits(capsys):
+    """Syncing only the last micro-batch keeps unsharded fp32 gradients (4 B/param: 276 GB at
+    70B); the default reduce-scatters every micro-batch and holds shards only, for more traffic."""
+    every, _ = plan_for(_cfg(*ACCUM_70B))
+    last, _ = plan_for(_cfg(*ACCUM_70B, "train.fsdp_sync_every_microbatch=false"))
+    assert every.total_gb <= 100 and last.total_gb > 141
+    assert last.grads_gb - every.grads_gb == pytest.approx(4 * every.params / 1e9)
+    assert every.comm_s > last.comm_s  # 16 reduce-scatters instead of one
+    assert main(["plan", *ACCUM_70B]) == 0
+    assert main(["plan", *ACCUM_70B, "train.fsdp_sync_every_microbatch=false"]) == 1
+    assert "suggestion: train.fsdp_sync_every_microbatch=true  (" in capsys.readouterr().out
+
+
+def test_the_plan_says_when_skipping_the_sync_between_micro_batches_also_fits(capsys):
+    small = ["model=1b", "cluster=kubernetes", "cluster.nodes=1", "cluster.procs_per_node=8", "data.seq_len=2048",
+             "train.parallelism=fsdp", "train.micro_batch_size=1", "train.grad_accum_steps=8"]  # fmt: skip
+    assert main(["plan", *small]) == 0
+    [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("also fits:")]
+    skip, d = plan_for(_cfg(*small, "train.fsdp_sync_every_microbatch=false"))
+    assert fits(skip, d.memory_gb, 0.9) and f"{skip.total_gb:.2f} GB per device" in line
+
+
+SEARCH_70B = ["model=70b", "cluster=kubernetes", "cluster.nodes=4", "cluster.procs_per_node=8", "data.seq_len=4096",
+              "train.micro_batch_size=1", "train.grad_accum_steps=16", "train.precision=bf16"]  # fmt: skip
+
+
+def test_plan_search_ranks_the_layouts_that_fit_by_step_time_and_keeps_the_global_batch(capsys):
+    from components.preflight.plan_search import layouts
+
+    assert main(["plan", "--search", *SEARCH_70B]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split(None, 5) for ln in out.splitlines() if re.match(r"^\s*\d+\s+\d", ln)]
+    assert len(rows) >= 2
+    steps = [float(r[2]) for r in rows]
+    assert steps == sorted(steps)
+    base = _cfg(*SEARCH_70B)
+    for r in rows:  # each listed layout, applied, fits, keeps 16 sequences per device, plans that step time
+        overrides = [] if r[5] == "(as configured)" else r[5].split()
+        p, d = plan_for(cfg := _cfg(*SEARCH_70B, *overrides))
+        assert fits(p, d.memory_gb, 0.9) and f"{p.step_time_s:.3g}" == r[2]
+        assert cfg.train.micro_batch_size * cfg.train.grad_accum_steps == 16
+    assert f"best: {rows[0][5]}" in out
+    # planned MFU never passes the device's published bound, in any layout, fitting or not
+    for changes in layouts(base):
+        p, d = plan_for(with_changes(base, changes))
+        assert p.mfu <= d.efficiency == 0.47
+
+
+def test_plan_search_with_nothing_that_fits_exits_1_with_the_advice(capsys):
+    assert main(["plan", "--search", "model=70b", "cluster=kubernetes", "cluster.nodes=1", "data.seq_len=4096"]) == 1
+    err = capsys.readouterr().err
+    assert "no layout fits on 1 node(s); fits with" in err and "cluster.nodes=" in err
