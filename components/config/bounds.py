@@ -57,6 +57,7 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "train.loss_spike_factor": ("> 1", "times the running median loss"),
     "train.max_spikes": ">= 0",
     "train.sdc_interval": (">= 0", "0 disables"),
+    "train.dp_replicate": (">= 1", "1: no HSDP replicas"),
     "train.straggler_interval": ">= 1",
     "train.straggler_zscore": "> 0",
     "train.watchdog_timeout_s": "> 0",

@@ -106,13 +106,22 @@ def model_rules(model: ModelConfig) -> list[str]:
     ])  # fmt: skip
 
 
-def train_rules(train: TrainConfig) -> list[str]:
-    return failed([
+def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None) -> list[str]:
+    rules = [
         ("train.warmup_steps", 0 <= train.warmup_steps < train.steps,
          f"{train.warmup_steps} must be >= 0 and < train.steps={train.steps}"),
         ("train.min_lr", 0 <= train.min_lr <= train.lr, f"{train.min_lr} must be in [0, train.lr={train.lr}]"),
         ("train.resume", bool(train.resume.strip()), "must be auto, never or a checkpoint version"),
-    ])  # fmt: skip
+    ]  # fmt: skip
+    r = train.dp_replicate
+    if r > 1:  # HSDP: r groups, each sharding over world / r ranks
+        why = f"{r} replicas need train.parallelism=fsdp (HSDP), got {getattr(train.parallelism, 'value', '')}"
+        rules.append(("train.dp_replicate", train.parallelism == "fsdp", why))
+        if cluster is not None:
+            world = cluster.nodes * cluster.procs_per_node
+            why = f"{r} must divide the world size {world} (cluster.nodes x procs_per_node) into groups of 2+ ranks"
+            rules.append(("train.dp_replicate", world % r == 0 and world > r, why))
+    return failed(rules)
 
 
 def preflight_rules(preflight: PreflightConfig, cluster: ClusterConfig | None = None) -> list[str]:
@@ -186,7 +195,7 @@ GROUP_RULES: dict[str, tuple[Callable[..., list[str]], tuple[str, ...]]] = {
     "data": (data_rules, ("model",)),  # data.seq_len <= model.max_seq_len
     "tokenizer": (tokenizer_rules, ()),
     "model": (model_rules, ()),
-    "train": (train_rules, ()),
+    "train": (train_rules, ("cluster",)),  # train.dp_replicate divides the world
     "preflight": (preflight_rules, ("cluster",)),  # preflight.min_healthy_nodes <= cluster.nodes
     "eval": (eval_rules, ()),
     "cluster": (cluster_rules, ()),

@@ -116,6 +116,7 @@ class TrainConfig:
     ac_every_n_blocks: int = MISSING  # checkpoint every n-th transformer block
     compile: bool | None = MISSING  # torch.compile per block; None: on GPU, off on CPU
     parallelism: Parallelism = MISSING
+    dp_replicate: int = MISSING  # HSDP (fsdp only): replicas of the FSDP shard groups; 1 = plain FSDP
     micro_batch_size: int = MISSING
     grad_accum_steps: int = MISSING
     # FSDP/HSDP: reduce-scatter after every micro-batch (sharded gradients accumulate); false:
@@ -152,8 +153,8 @@ class TrainConfig:
     metrics_port: int = MISSING  # each node serves Prometheus metrics there (locally: + node index); 0 = off
     profile_poll_steps: int = MISSING  # steps between looks for a `liftoff profile` request in the store
 
-    def check(self) -> list[str]:
-        return rules.train_rules(self)
+    def check(self, cluster: ClusterConfig | None = None) -> list[str]:
+        return rules.train_rules(self, cluster=cluster)
 
 
 @dataclass

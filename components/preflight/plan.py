@@ -46,8 +46,13 @@ h = hidden, L = layers, a = heads):
   (W-1)/W·(2·accum·G + R·4N) / busbw (with accum 1 and fp32: 3·(W-1)/W·4N). busbw: preflight's
   measure, or the per-GPU-type assumption in `components/devices.py` (NVLink within a node,
   the network across nodes). Assumes no overlap of communication and compute (an upper
-  bound on step time). tokens/s = tokens per step / step time; MFU = FLOPs per token ·
-  tokens/s / (peak · W), so recomputation and communication both bring it under 1.
+  bound on step time). HSDP (`train.dp_replicate` = R): everything FSDP shards is sharded over
+  S = W/R ranks only (a shard group: consecutive ranks, one node's GPUs when S = procs per
+  node), the FSDP traffic above runs within a group at its bus bandwidth ((S-1)/S instead of
+  (W-1)/W, NVLink when the group is one node), and each step the fp32 gradient shard (4N/S)
+  is all-reduced across the R replicas: 2(R-1)/R·4N/S at the network's. tokens/s = tokens
+  per step / step time; MFU = FLOPs per token · tokens/s / (peak · W), so recomputation and
+  communication both bring it under the device's efficiency.
 """
 
 from __future__ import annotations
@@ -158,13 +163,17 @@ def plan(
     tflops: float | None = None,
     peak_tflops: float | None = None,
     busbw_gbps: float | None = None,
+    replicate_busbw_gbps: float | None = None,
 ) -> Plan:
+    """`busbw_gbps`: the bus bandwidth of the data-parallel group (for HSDP, of a shard group);
+    `replicate_busbw_gbps`: HSDP's across its replicas (None: the same)."""
     if vocab_size is not None and model.vocab_size is None:
         model = ModelConfig(**{**asdict(model), "vocab_size": vocab_size})
     tensors = param_tensors(model)
     n = sum(t[1] for t in tensors)
     sharded = train.parallelism == Parallelism.fsdp and world > 1
-    shard = world if sharded else 1
+    replicas = train.dp_replicate if sharded else 1  # HSDP: shard groups of world / dp_replicate ranks
+    shard = world // replicas if sharded else 1
     weights = 4 * n / shard
     grads = 4 * n / shard
     if sharded and train.grad_accum_steps > 1 and not train.fsdp_sync_every_microbatch:
@@ -188,7 +197,11 @@ def plan(
         compute = (fpt + recompute) * tokens_per_device / (tflops * 1e12)
         comm = 0.0
         if world > 1 and busbw_gbps:  # without a bus bandwidth, communication is left out
-            comm = comm_bytes(tensors, precision, train) * (world - 1) / world / (busbw_gbps * GB)
+            group = shard if sharded else world
+            comm = comm_bytes(tensors, precision, train) * (group - 1) / group / (busbw_gbps * GB)
+            if replicas > 1:  # HSDP: each step's gradient shard all-reduced across the replicas
+                across = 2 * (replicas - 1) / replicas * 4 * n / shard
+                comm += across / ((replicate_busbw_gbps or busbw_gbps) * GB)
         step = compute + comm
         tps = tokens_per_device * world / step
         utilization = mfu(tps, fpt, peak_tflops or tflops, world)

@@ -74,9 +74,23 @@ def plan_for(cfg) -> tuple[Plan, PlanDevice]:
         vocab,
         tflops=d.peak_tflops * d.efficiency if d.peak_tflops else None,
         peak_tflops=d.peak_tflops,
-        busbw_gbps=d.busbw_gbps,
+        busbw_gbps=shard_group_busbw(cfg, d),
+        replicate_busbw_gbps=d.busbw_gbps,
     )
     return p, d
+
+
+def shard_group_busbw(cfg, d: PlanDevice) -> float | None:
+    """The bus bandwidth FSDP's collectives see: the world's, or for HSDP a shard group's
+    (consecutive ranks: within one node when it has procs_per_node ranks or fewer)."""
+    from components.devices import busbw_gbps, device
+
+    t, c = cfg.train, cfg.cluster
+    spec = device(cfg.cluster.gpu_type) if cfg.cluster.gpu_type else None
+    if t.parallelism != Parallelism.fsdp or t.dp_replicate == 1 or spec is None or d.busbw_gbps is None:
+        return d.busbw_gbps
+    shard = c.nodes * c.procs_per_node // t.dp_replicate
+    return busbw_gbps(spec, -(-shard // c.procs_per_node))
 
 
 AC, PARALLELISM, MICRO_BATCH = "train.activation_checkpointing", "train.parallelism", "train.micro_batch_size"

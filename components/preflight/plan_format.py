@@ -69,7 +69,7 @@ def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
         ("world size", f"{p.world} ({c.nodes} nodes x {c.procs_per_node} procs)"),
         ("global batch", f"{global_batch(cfg):,} sequences, {global_batch(cfg) * cfg.data.seq_len:,} tokens"),
         ("precision", f"{t.precision.value}{fp8}"),
-        ("parallelism", t.parallelism.value),
+        ("parallelism", t.parallelism.value + _hsdp(t, p.world)),
         ("activation ckpt", ac),
         ("device", d.name),
         ("device memory", f"{d.memory_gb:.1f} GB: {d.memory_source}"),
@@ -77,6 +77,12 @@ def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
         ("efficiency", f"compute at {d.efficiency:.0%} of peak, MFU <= {d.efficiency:.0%}: {d.efficiency_source}"),
         ("bus bandwidth", busbw + d.busbw_source),
     ])  # fmt: skip
+
+
+def _hsdp(t, world: int) -> str:
+    if t.parallelism.value != "fsdp" or t.dp_replicate == 1:
+        return ""
+    return f" (HSDP: {t.dp_replicate} replicas x {world // t.dp_replicate}-rank shard groups, train.dp_replicate)"
 
 
 def _sync(t) -> str:

@@ -1,7 +1,8 @@
 """`liftoff plan --search`: every layout liftoff trains today for a config's model, cluster and
 global batch, planned, the ones that fit ranked by predicted step time.
 
-A layout here: DDP or FSDP, FSDP's reduce-scatter after every micro-batch or the last only,
+A layout here: DDP, FSDP or HSDP (`train.dp_replicate` dividing the nodes, so a shard group
+is whole nodes), FSDP's reduce-scatter after every micro-batch or the last only,
 activation checkpointing off or on, and the micro batch (a power of two dividing the
 sequences per device per step; accumulation makes up the rest, so the global batch, and
 with it the optimisation, never changes). The nodes and processes stay as configured.
@@ -16,7 +17,7 @@ from components.config import Parallelism
 from components.preflight.plan import Plan, fits
 from components.preflight.plan_config import AC, MICRO_BATCH, PARALLELISM, as_overrides, plan_for, with_changes
 
-SYNC, ACCUM = "train.fsdp_sync_every_microbatch", "train.grad_accum_steps"
+SYNC, ACCUM, REPLICATE = "train.fsdp_sync_every_microbatch", "train.grad_accum_steps", "train.dp_replicate"
 
 
 @dataclass
@@ -33,15 +34,19 @@ def layouts(cfg) -> list[dict]:
     """Every layout's changes against the config, the configured one included."""
     t = cfg.train
     per_device = t.micro_batch_size * t.grad_accum_steps
+    data_parallel = [(Parallelism.ddp, 1)] + [
+        (Parallelism.fsdp, r) for r in range(1, cfg.cluster.nodes + 1) if cfg.cluster.nodes % r == 0
+    ]
     found = []
-    for parallelism in (Parallelism.ddp, Parallelism.fsdp):
+    for parallelism, replicas in data_parallel:
         for ac in (False, True):
             for micro in _micro_batches(per_device):
                 accum = per_device // micro
                 fsdp_accumulates = parallelism == Parallelism.fsdp and accum > 1
                 syncs = (True, False) if fsdp_accumulates else (t.fsdp_sync_every_microbatch,)
                 for sync in syncs:
-                    layout = {PARALLELISM: parallelism, AC: ac, MICRO_BATCH: micro, ACCUM: accum, SYNC: sync}
+                    layout = {PARALLELISM: parallelism, REPLICATE: replicas, AC: ac, MICRO_BATCH: micro,
+                              ACCUM: accum, SYNC: sync}  # fmt: skip
                     found.append({k: v for k, v in layout.items() if _value(cfg, k) != v})
     return found
 

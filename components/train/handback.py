@@ -130,6 +130,11 @@ def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
     counts["fp8_all_gather_params"] = sum(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in local)
     # scales precomputed for the next all-gather, one all-reduce for all weights (torchao's FSDP recipe)
     counts["fp8_precomputed_scales"] = sum(getattr(t, "_precomputed_scale", None) is not None for t in local)
+    # HSDP: parameters replicated over one mesh dimension and sharded over the other
+    placements = [getattr(p, "placements", ()) for p in model.parameters()]
+    counts["hsdp_params"] = sum(
+        any(x.is_replicate() for x in pl) and any(x.is_shard() for x in pl) for pl in placements
+    )
     return counts
 
 

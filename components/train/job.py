@@ -122,7 +122,7 @@ def build_job(spec: TrainSpec) -> Job:
     compiled = train.compile if train.compile is not None else device.type == "cuda"
     if compiled:
         apply_compile(model)
-    model = wrap(model, train.parallelism, device, precision)
+    model = wrap(model, train.parallelism, device, precision, train.dp_replicate)
     fsdp = hasattr(model, "set_requires_gradient_sync")
     if fsdp:
         precision.after_optimizer_step(model, train, fsdp)  # the first step's fp8 all-gather scales

@@ -1,4 +1,5 @@
-"""Process group, compile and data parallelism: DDP (default) or FSDP2 `fully_shard`."""
+"""Process group, compile and data parallelism: DDP (default), FSDP2 `fully_shard`, or HSDP
+(`fully_shard` on a 2-D mesh: `dp_replicate` groups, each sharding over world / dp_replicate)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,26 @@ def apply_compile(model: torch.nn.Module) -> None:
         blocks[i] = torch.compile(blocks[i], fullgraph=True)
 
 
-def wrap(model: torch.nn.Module, parallelism: Parallelism, device: torch.device, precision: Recipe) -> torch.nn.Module:
+def dp_mesh(device: torch.device, dp_replicate: int):
+    """The data-parallel DeviceMesh: 1-D over the world (FSDP), or (dp_replicate, dp_shard) with
+    consecutive ranks (one node's GPUs) in one shard group (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if dp_replicate == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(
+        device.type, (dp_replicate, world // dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
+
+
+def wrap(
+    model: torch.nn.Module, parallelism: Parallelism, device: torch.device, precision: Recipe, dp_replicate: int = 1
+) -> torch.nn.Module:
     if parallelism == Parallelism.fsdp and dist.get_world_size() > 1:
         from torch.distributed.fsdp import fully_shard
 
-        kwargs = {}
+        kwargs = {"mesh": dp_mesh(device, dp_replicate)}
         if (policy := precision.fsdp_mp_policy()) is not None:
             kwargs["mp_policy"] = policy
         for block in transformer_blocks(model):

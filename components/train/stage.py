@@ -50,6 +50,7 @@ NOT_IDENTITY = {
     "peak_tflops",
     "compile",
     "fsdp_sync_every_microbatch",  # the reduction order, as the world size: rounding, not the math
+    "dp_replicate",  # HSDP's layout, as the world size
     "activation_checkpointing",
     "ac_every_n_blocks",
     "metrics_port",

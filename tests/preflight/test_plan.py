@@ -280,3 +280,20 @@ def test_plan_search_with_nothing_that_fits_exits_1_with_the_advice(capsys):
     assert main(["plan", "--search", "model=70b", "cluster=kubernetes", "cluster.nodes=1", "data.seq_len=4096"]) == 1
     err = capsys.readouterr().err
     assert "no layout fits on 1 node(s); fits with" in err and "cluster.nodes=" in err
+
+
+def test_hsdp_shards_within_a_node_and_all_reduces_across_nodes(capsys):
+    """HSDP over 4 nodes x 8: shard groups of 8 (one node, NVLink), 4 replicas over the network.
+    Each rank holds 1/8 of the fp32 state instead of FSDP's 1/32, and the per-micro-batch
+    all-gathers and reduce-scatters stay on NVLink: far less time communicating."""
+    base = ["model=70b", "cluster=kubernetes", "cluster.nodes=4", "cluster.procs_per_node=8", "data.seq_len=4096",
+            "train.parallelism=fsdp", "train.micro_batch_size=1", "train.grad_accum_steps=16"]  # fmt: skip
+    fsdp, _ = plan_for(_cfg(*base))
+    hsdp, _ = plan_for(_cfg(*base, "train.dp_replicate=4"))
+    assert hsdp.weights_gb == pytest.approx(4 * hsdp.params / 8 / 1e9)
+    assert fsdp.weights_gb == pytest.approx(4 * fsdp.params / 32 / 1e9)
+    assert hsdp.comm_s < fsdp.comm_s / 4
+    assert main(["plan", *base, "train.dp_replicate=3"]) == 2  # 32 ranks are not 3 groups
+    assert "train.dp_replicate: 3 must divide the world size 32" in capsys.readouterr().err
+    assert main(["plan", "train.dp_replicate=2", "cluster.nodes=2"]) == 2  # DDP has no shard groups
+    assert "need train.parallelism=fsdp (HSDP), got ddp" in capsys.readouterr().err
