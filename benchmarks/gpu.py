@@ -7,6 +7,9 @@ JSON lines, one per measurement, then the summary line:
   preset (>= 1B) whose plan fits one device with the lightest activation checkpointing that
   fits: tokens/s, MFU (against the bf16 peak, as torchtitan), planned vs measured peak memory
   (`torch.cuda.max_memory_allocated`); each case in its own process, so memory is its own.
+- `parallel` (2 or more GPUs on the node): FSDP bf16, FSDP fp8 with fp8 all-gather and HSDP
+  (4+ GPUs) on all of them, one torchrun launch each (`benchmarks/gpu_parallel.py`): tokens/s
+  and MFU side by side;
 - summary: `ratio` = fp8 (best recipe) / bf16 tokens/s. Targets on an H200: >= 1.25
   (torchao reports 1.2-1.28x on Llama3-8B), bf16 MFU >= 45%, memory plan error <= 5%.
 Without a GPU it prints one line saying so. `--smoke` runs the same code on the CPU with the
@@ -162,6 +165,18 @@ def run_case(model_name: str, precision: str, recipe_name: str, ac_every: int, m
     return row
 
 
+def run_parallel(model_name: str, ac_every: int, micro: int, seq_len: int) -> list[dict]:
+    """The sharded cases on every GPU of this node, when it has 2 or more."""
+    from benchmarks.gpu_parallel import cases, launch
+
+    n = torch.cuda.device_count()
+    rows = []
+    for layout, precision in cases(n) if n >= 2 else []:
+        rows.append(launch(n, layout, precision, [model_name, str(ac_every), str(micro), str(seq_len)]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> int:
     if "--case" in argv:
         i = argv.index("--case")
@@ -195,6 +210,8 @@ def main(argv: list[str]) -> int:
             continue
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
+    parallel = run_parallel(model_name, ac_every, micro, seq_len) if device.type == "cuda" else []
+    failed += [f"{r['layout']}/{r['precision']} {r['failed']}" for r in parallel if "failed" in r]
     bf16 = next((r for r in rows if r["precision"] == "bf16"), None)
     fp8 = max((r for r in rows if r["precision"] == "fp8"), key=lambda r: r["tokens_per_s"], default=None)
     errors = [abs(r["memory_plan_error"]) for r in rows if "memory_plan_error" in r]
@@ -209,6 +226,10 @@ def main(argv: list[str]) -> int:
         "worst_memory_plan_error": max(errors) if errors else None,
         "failed": failed,
     }
+    sharded = {f"{r['layout']}/{r['precision']}": r for r in parallel if "failed" not in r}
+    if "fsdp/bf16" in sharded and "fsdp/fp8" in sharded:
+        summary["fsdp_fp8_ratio"] = sharded["fsdp/fp8"]["tokens_per_s"] / sharded["fsdp/bf16"]["tokens_per_s"]
+        summary["fsdp_mfu"] = {k: r["mfu"] for k, r in sharded.items()}
     print(json.dumps(summary))
     return 1 if failed else 0
 

@@ -1,0 +1,151 @@
+"""gpu_parallel: liftoff's train step sharded over every GPU of one node, one case per torchrun
+launch, for `benchmarks/gpu.py` when the node has 2 or more GPUs:
+
+- `fsdp/bf16`: FSDP2, bf16 compute (MixedPrecisionPolicy), the reference;
+- `fsdp/fp8`: FSDP2 with torchao's float8 tensorwise recipe, whose weights are all-gathered in
+  fp8 (`enable_fsdp_float8_all_gather`, scales precomputed after each optimizer step);
+- `hsdp/bf16`: FSDP2 on a (2, world / 2) mesh: shard groups of half the GPUs, two replicas
+  (4 or more GPUs).
+
+Each rank builds the model as the worker does (precision conversion, activation checkpointing,
+compile per block, then `parallel.wrap`), trains on random tokens and times STEPS steps after
+WARMUP; rank 0 prints one JSON line: tokens/s over all ranks, MFU against the bf16 peak x world,
+peak memory, and the live model's wrapper counts (fp8 all-gather parameters read off the model).
+`python -m benchmarks.gpu_parallel --smoke` runs the same under torchrun on 2 CPU processes
+(gloo, the tiny model) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+CASES = (("fsdp", "bf16"), ("fsdp", "fp8"), ("hsdp", "bf16"))
+WARMUP, STEPS = 3, 10
+
+
+def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int, seq_len: int) -> dict | None:
+    import torch.nn.functional as F
+
+    from benchmarks.gpu import preset, train_config
+    from components.config import Parallelism, Precision
+    from components.devices import peak_tflops
+    from components.model_math import flops_per_token, mfu
+    from components.precision import recipe
+    from components.train.activation_checkpoint import apply_activation_checkpointing
+    from components.train.handback import wrapped_modules
+    from components.train.model import build_model, count_params
+    from components.train.optim import build_optimizer, clip_and_step
+    from components.train.parallel import apply_compile, wrap
+
+    cuda = torch.cuda.is_available()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    model_cfg = preset(model_name)
+    model_cfg.vocab_size = model_cfg.vocab_size or 1024
+    on_cpu = "fp32" if precision == "bf16" else precision  # the CPU smoke: fp32 for the bf16 cases
+    train = train_config(precision if cuda else on_cpu, "tensorwise", ac_every, micro)
+    train.parallelism, train.compile = Parallelism.fsdp, cuda
+    train.dp_replicate = 2 if layout == "hsdp" else 1
+    with torch.device(device):
+        model = build_model(model_cfg, model_cfg.vocab_size, seed=0)
+    flops = flops_per_token(model_cfg, count_params(model, exclude_embeddings=True), seq_len)
+    r = recipe(Precision(train.precision))
+    r.apply(model, train, device)
+    if train.activation_checkpointing:
+        apply_activation_checkpointing(model, train.ac_every_n_blocks)
+    if train.compile:
+        apply_compile(model)
+    model = wrap(model, train.parallelism, device, r, train.dp_replicate)
+    r.after_optimizer_step(model, train, True)
+    optimizer = build_optimizer(model, train)
+    g = torch.Generator(device=device).manual_seed(rank)
+    batch = torch.randint(0, model_cfg.vocab_size, (micro, seq_len + 1), device=device, generator=g)
+
+    def step() -> None:
+        with r.autocast(device, fsdp=True):
+            logits = model(input_ids=batch[:, :-1]).logits
+        F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
+        clip_and_step(model, optimizer, 1.0, None)
+        r.after_optimizer_step(model, train, True)
+
+    for _ in range(WARMUP):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    seconds = (time.perf_counter() - t0) / STEPS
+    tokens_per_s = micro * seq_len * world / seconds
+    peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None
+    row = {
+        "kind": "parallel",
+        "layout": layout,
+        "precision": train.precision.value,
+        "world": world,
+        "dp_replicate": train.dp_replicate,
+        "model": model_name,
+        "micro_batch": micro,
+        "seq_len": seq_len,
+        "step_s": seconds,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(tokens_per_s, flops, peak, world),
+        "wrapped": wrapped_modules(model),
+    }
+    if cuda:
+        row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    dist.destroy_process_group()
+    return row if rank == 0 else None
+
+
+def launch(nprocs: int, layout: str, precision: str, args: list[str]) -> dict:
+    """One case under torchrun on this node; its rank 0's row (or a failed row)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
+           "-m", "benchmarks.gpu_parallel", "--case", layout, precision, *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not rows:
+        return {"kind": "parallel", "layout": layout, "precision": precision, "failed": proc.returncode or "no row"}
+    return rows[-1]
+
+
+def cases(nprocs: int) -> list[tuple[str, str]]:
+    return [(layout, p) for layout, p in CASES if layout != "hsdp" or (nprocs >= 4 and nprocs % 2 == 0)]
+
+
+def main(argv: list[str]) -> int:
+    if "--case" in argv:
+        i = argv.index("--case")
+        layout, precision, model_name, ac_every, micro, seq_len = argv[i + 1 : i + 7]
+        row = run(layout, precision, model_name, int(ac_every), int(micro), int(seq_len))
+        if row is not None:
+            print(json.dumps(row), flush=True)
+        return 0
+    nprocs = 2 if "--smoke" in argv else torch.cuda.device_count()
+    args = ["tiny", "1", "2", "64"] if "--smoke" in argv else argv[:4]
+    failed = 0
+    for layout, precision in cases(nprocs):
+        row = launch(nprocs, layout, precision, args)
+        failed += "failed" in row
+        print(json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
