@@ -5,10 +5,14 @@ launch, for `benchmarks/gpu.py` when the node has 2 or more GPUs:
 - `fsdp/fp8`: FSDP2 with torchao's float8 tensorwise recipe, whose weights are all-gathered in
   fp8 (`enable_fsdp_float8_all_gather`, scales precomputed after each optimizer step);
 - `hsdp/bf16`: FSDP2 on a (2, world / 2) mesh: shard groups of half the GPUs, two replicas
-  (4 or more GPUs).
+  (4 or more GPUs);
+- `tp/bf16`, `tp/fp8`: tensor parallelism of degree 2 (torchao's float8 TP styles for fp8),
+  FSDP2 over the other world / 2 ranks (none on 2 GPUs); `tp_fsdp/fp8`: the same with TP=2 and
+  FSDP over the rest, fp8 all-gathered (4 or more GPUs).
 
-Each rank builds the model as the worker does (precision conversion, activation checkpointing,
-compile per block, then `parallel.wrap`), trains on random tokens and times STEPS steps after
+Each rank builds the model as the worker does (precision conversion, then `parallel.parallelize`:
+TP, activation checkpointing, compile per block, FSDP), trains on random tokens (tensor-parallel
+peers on the same ones) and times STEPS steps after
 WARMUP; rank 0 prints one JSON line: tokens/s over all ranks, MFU against the bf16 peak x world,
 peak memory, and the live model's wrapper counts (fp8 all-gather parameters read off the model).
 `python -m benchmarks.gpu_parallel --smoke` runs the same under torchrun on 2 CPU processes
@@ -26,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-CASES = (("fsdp", "bf16"), ("fsdp", "fp8"), ("hsdp", "bf16"))
+CASES = (("fsdp", "bf16"), ("fsdp", "fp8"), ("hsdp", "bf16"), ("tp", "bf16"), ("tp", "fp8"), ("tp_fsdp", "fp8"))
 WARMUP, STEPS = 3, 10
 
 
@@ -38,11 +42,10 @@ def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int,
     from components.devices import peak_tflops
     from components.model_math import flops_per_token, mfu
     from components.precision import recipe
-    from components.train.activation_checkpoint import apply_activation_checkpointing
     from components.train.handback import wrapped_modules
     from components.train.model import build_model, count_params
     from components.train.optim import build_optimizer, clip_and_step
-    from components.train.parallel import apply_compile, wrap
+    from components.train.parallel import ParallelDims, parallelize
 
     cuda = torch.cuda.is_available()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -56,27 +59,26 @@ def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int,
     train = train_config(precision if cuda else on_cpu, "tensorwise", ac_every, micro)
     train.parallelism, train.compile = Parallelism.fsdp, cuda
     train.dp_replicate = 2 if layout == "hsdp" else 1
+    train.tp = 2 if layout.startswith("tp") else 1
+    dims = ParallelDims.of(train, world)
+    sharded = dims.dp > 1  # FSDP applied (a TP=2 case on 2 GPUs has no data parallelism)
     with torch.device(device):
         model = build_model(model_cfg, model_cfg.vocab_size, seed=0)
     flops = flops_per_token(model_cfg, count_params(model, exclude_embeddings=True), seq_len)
     r = recipe(Precision(train.precision))
     r.apply(model, train, device)
-    if train.activation_checkpointing:
-        apply_activation_checkpointing(model, train.ac_every_n_blocks)
-    if train.compile:
-        apply_compile(model)
-    model = wrap(model, train.parallelism, device, r, train.dp_replicate)
-    r.after_optimizer_step(model, train, True)
+    model = parallelize(model, train, dims, device, r)
+    r.after_optimizer_step(model, train, sharded)
     optimizer = build_optimizer(model, train)
-    g = torch.Generator(device=device).manual_seed(rank)
+    g = torch.Generator(device=device).manual_seed(dims.dp_rank(rank))
     batch = torch.randint(0, model_cfg.vocab_size, (micro, seq_len + 1), device=device, generator=g)
 
     def step() -> None:
-        with r.autocast(device, fsdp=True):
+        with r.autocast(device, fsdp=sharded):
             logits = model(input_ids=batch[:, :-1]).logits
         F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
         clip_and_step(model, optimizer, 1.0, None)
-        r.after_optimizer_step(model, train, True)
+        r.after_optimizer_step(model, train, sharded)
 
     for _ in range(WARMUP):
         step()
@@ -91,7 +93,7 @@ def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int,
         torch.cuda.synchronize()
     dist.barrier()
     seconds = (time.perf_counter() - t0) / STEPS
-    tokens_per_s = micro * seq_len * world / seconds
+    tokens_per_s = micro * seq_len * dims.dp / seconds  # tensor-parallel peers share their tokens
     peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None
     row = {
         "kind": "parallel",
@@ -99,6 +101,7 @@ def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int,
         "precision": train.precision.value,
         "world": world,
         "dp_replicate": train.dp_replicate,
+        "tp": train.tp,
         "model": model_name,
         "micro_batch": micro,
         "seq_len": seq_len,
@@ -126,7 +129,8 @@ def launch(nprocs: int, layout: str, precision: str, args: list[str]) -> dict:
 
 
 def cases(nprocs: int) -> list[tuple[str, str]]:
-    return [(layout, p) for layout, p in CASES if layout != "hsdp" or (nprocs >= 4 and nprocs % 2 == 0)]
+    four = nprocs >= 4 and nprocs % 2 == 0  # two replicas or TP=2 beside FSDP over 2+ ranks
+    return [(layout, p) for layout, p in CASES if layout not in ("hsdp", "tp_fsdp") or four]
 
 
 def main(argv: list[str]) -> int:

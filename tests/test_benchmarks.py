@@ -28,7 +28,8 @@ def test_gpu_benchmark_without_cuda_prints_one_line_saying_so_and_exits_0():
 def test_the_sharded_gpu_cases_run_under_torchrun_and_fp8_is_all_gathered_in_fp8():
     """`python -m benchmarks.gpu_parallel --smoke`: the FSDP cases the GPU script runs on a node
     of 2+ GPUs, here under torchrun on 2 CPU processes (gloo, tiny model). The fp8 case's live
-    model holds torchao's fp8-all-gather weights; the bf16 one (fp32 on CPU) none."""
+    model holds torchao's fp8-all-gather weights; the bf16 one (fp32 on CPU) none. The TP=2 cases
+    split every block's weights over the pair, as torchao's float8 TP linears under fp8."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_parallel", "--smoke"],
@@ -36,11 +37,18 @@ def test_the_sharded_gpu_cases_run_under_torchrun_and_fp8_is_all_gathered_in_fp8
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["layout"], r["precision"]): r for r in map(json.loads, proc.stdout.splitlines())}
-    assert set(rows) == {("fsdp", "fp32"), ("fsdp", "fp8")}  # HSDP needs 4 or more devices
+    assert set(rows) == {("fsdp", "fp32"), ("fsdp", "fp8"), ("tp", "fp32"), ("tp", "fp8")}  # HSDP, TP x FSDP: 4+
     for row in rows.values():
-        assert row["world"] == 2 and row["wrapped"]["fsdp"] == 3 and row["tokens_per_s"] > 0
+        assert row["world"] == 2 and row["tokens_per_s"] > 0
+    for precision in ("fp32", "fp8"):
+        assert rows["fsdp", precision]["wrapped"]["fsdp"] == 3 and rows["fsdp", precision]["wrapped"]["tp_params"] == 0
+        assert rows["tp", precision]["wrapped"]["fsdp"] == 0 and rows["tp", precision]["wrapped"]["tp_params"] == 15
     assert rows["fsdp", "fp8"]["wrapped"]["fp8_all_gather_params"] == 14  # the 14 Linear weights of 2 blocks
     assert rows["fsdp", "fp32"]["wrapped"]["fp8_all_gather_params"] == 0
+    assert (
+        rows["tp", "fp8"]["wrapped"]["float8_tp_linear"] == 14
+        and rows["tp", "fp32"]["wrapped"]["float8_tp_linear"] == 0
+    )
 
 
 def test_stream_reader_benchmark_runs_small_and_reports_both_ratios():

@@ -279,6 +279,24 @@ def test_values_that_cannot_work_fail_at_compose_naming_the_key(override, messag
 
 
 @pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train.tp=3", "cluster.nodes=2"], "train.tp: 3 must divide the world size 2"),
+        (["train.tp=2", "cluster.nodes=4"], "train.tp: 2 with train.parallelism=ddp needs the world size 4 to be 2"),
+        (["train.tp=8", "cluster.nodes=8", "train.parallelism=fsdp"], "train.tp: 8 must divide model.num_heads=4"),
+        (["train.tp=2", "cluster.nodes=4", "train.parallelism=fsdp", "train.dp_replicate=2"],
+         "train.dp_replicate: 2 must divide the data-parallel world 2 (cluster.nodes x procs_per_node / train.tp)"),
+        (["train.tp=0"], "train.tp: must be >= 1 (1: no tensor parallelism), got 0"),
+    ],
+)  # fmt: skip
+def test_tensor_parallel_degrees_that_cannot_split_the_world_or_the_model_fail_at_compose(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    assert message in str(err.value)
+    compose(["train.tp=2", "cluster.nodes=4", "train.parallelism=fsdp"])  # TP=2 x FSDP=2 composes
+
+
+@pytest.mark.parametrize(
     "override,message",
     [
         ("train.lr=inf", "train.lr: must be a finite number > 0, got inf"),

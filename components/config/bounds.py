@@ -58,6 +58,7 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "train.max_spikes": ">= 0",
     "train.sdc_interval": (">= 0", "0 disables"),
     "train.dp_replicate": (">= 1", "1: no HSDP replicas"),
+    "train.tp": (">= 1", "1: no tensor parallelism"),
     "train.straggler_interval": ">= 1",
     "train.straggler_zscore": "> 0",
     "train.watchdog_timeout_s": "> 0",

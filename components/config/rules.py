@@ -106,21 +106,33 @@ def model_rules(model: ModelConfig) -> list[str]:
     ])  # fmt: skip
 
 
-def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None) -> list[str]:
+def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model: ModelConfig | None = None):
     rules = [
         ("train.warmup_steps", 0 <= train.warmup_steps < train.steps,
          f"{train.warmup_steps} must be >= 0 and < train.steps={train.steps}"),
         ("train.min_lr", 0 <= train.min_lr <= train.lr, f"{train.min_lr} must be in [0, train.lr={train.lr}]"),
         ("train.resume", bool(train.resume.strip()), "must be auto, never or a checkpoint version"),
     ]  # fmt: skip
-    r = train.dp_replicate
-    if r > 1:  # HSDP: r groups, each sharding over world / r ranks
+    r, tp = train.dp_replicate, train.tp
+    world = cluster.nodes * cluster.procs_per_node if cluster is not None else None
+    if r > 1:  # HSDP: r groups, each sharding over world / (r x tp) ranks
         why = f"{r} replicas need train.parallelism=fsdp (HSDP), got {getattr(train.parallelism, 'value', '')}"
         rules.append(("train.dp_replicate", train.parallelism == "fsdp", why))
-        if cluster is not None:
-            world = cluster.nodes * cluster.procs_per_node
-            why = f"{r} must divide the world size {world} (cluster.nodes x procs_per_node) into groups of 2+ ranks"
-            rules.append(("train.dp_replicate", world % r == 0 and world > r, why))
+        if world is not None:
+            dp = world // tp if world % tp == 0 else world
+            why = (f"{r} must divide the data-parallel world {dp} (cluster.nodes x procs_per_node"
+                   f"{' / train.tp' if tp > 1 else ''}) into groups of 2+ ranks")  # fmt: skip
+            rules.append(("train.dp_replicate", dp % r == 0 and dp > r, why))
+    if tp > 1 and world is not None:
+        why = f"{tp} must divide the world size {world} (cluster.nodes x procs_per_node)"
+        rules.append(("train.tp", world % tp == 0, why))
+        why = (f"{tp} with train.parallelism=ddp needs the world size {world} to be {tp} (DDP does not replicate "
+               "tensor-parallel DTensors): use train.parallelism=fsdp to add data parallelism")  # fmt: skip
+        rules.append(("train.tp", train.parallelism != "ddp" or world == tp, why))
+    if tp > 1 and model is not None:
+        for key, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
+                       ("ffn_hidden_size", model.ffn_hidden_size)):  # fmt: skip
+            rules.append(("train.tp", n % tp == 0, f"{tp} must divide model.{key}={n} (each rank holds a whole share)"))
     return failed(rules)
 
 
@@ -195,7 +207,7 @@ GROUP_RULES: dict[str, tuple[Callable[..., list[str]], tuple[str, ...]]] = {
     "data": (data_rules, ("model",)),  # data.seq_len <= model.max_seq_len
     "tokenizer": (tokenizer_rules, ()),
     "model": (model_rules, ()),
-    "train": (train_rules, ("cluster",)),  # train.dp_replicate divides the world
+    "train": (train_rules, ("cluster", "model")),  # dp_replicate and tp divide the world; tp the heads
     "preflight": (preflight_rules, ("cluster",)),  # preflight.min_healthy_nodes <= cluster.nodes
     "eval": (eval_rules, ()),
     "cluster": (cluster_rules, ()),

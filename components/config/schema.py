@@ -117,6 +117,7 @@ class TrainConfig:
     compile: bool | None = MISSING  # torch.compile per block; None: on GPU, off on CPU
     parallelism: Parallelism = MISSING
     dp_replicate: int = MISSING  # HSDP (fsdp only): replicas of the FSDP shard groups; 1 = plain FSDP
+    tp: int = MISSING  # tensor-parallel degree (ranks splitting each block's matmuls); 1 = none
     micro_batch_size: int = MISSING
     grad_accum_steps: int = MISSING
     # FSDP/HSDP: reduce-scatter after every micro-batch (sharded gradients accumulate); false:

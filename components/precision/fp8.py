@@ -127,7 +127,7 @@ class FP8(BF16):
         of more than one rank is sharded at all (see `parallel.wrap`)."""
         import torch.distributed as dist
 
-        sharded = dist.is_initialized() and dist.get_world_size() > 1
+        sharded = dist.is_initialized() and dist.get_world_size() // train.tp > 1  # FSDP over 2+ dp ranks
         return sharded and train.parallelism == Parallelism.fsdp and train.fp8_recipe == Fp8Recipe.tensorwise
 
     def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:

@@ -103,7 +103,8 @@ def training_facts(job: Job) -> dict:
         "blocks": job.model_cfg.num_layers,
         "activation_checkpointed": wrapped["activation_checkpoint"],
         "compiled": wrapped["compiled"],
-        "wrapper": "FSDP2" if wrapped["fsdp"] else ("DDP" if job.world > 1 else "one process"),
+        "wrapper": ("FSDP2" if wrapped["fsdp"] else ("DDP" if job.dims.dp > 1 else "one process"))
+        + (f" x TP={job.dims.tp}" if job.dims.tp > 1 else ""),
     }
 
 
@@ -130,12 +131,24 @@ def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
     counts["fp8_all_gather_params"] = sum(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in local)
     # scales precomputed for the next all-gather, one all-reduce for all weights (torchao's FSDP recipe)
     counts["fp8_precomputed_scales"] = sum(getattr(t, "_precomputed_scale", None) is not None for t in local)
-    # HSDP: parameters replicated over one mesh dimension and sharded over the other
-    placements = [getattr(p, "placements", ()) for p in model.parameters()]
-    counts["hsdp_params"] = sum(
-        any(x.is_replicate() for x in pl) and any(x.is_shard() for x in pl) for pl in placements
+    # HSDP: parameters replicated over the dp_replicate mesh dimension, sharded over dp_shard
+    counts["hsdp_params"] = sum(_placed(p, "dp_replicate", "is_replicate") and _placed(p, "dp_shard", "is_shard")
+                                for p in model.parameters())  # fmt: skip
+    counts["tp_params"] = sum(_placed(p, "tp", "is_shard") for p in model.parameters())  # split by TP
+    from torchao.float8.float8_linear import Float8Linear
+
+    # Float8Linear modules whose weight is a DTensor split over tp (torchao's float8 TP styles)
+    counts["float8_tp_linear"] = sum(
+        isinstance(m, Float8Linear) and _placed(m.weight, "tp", "is_shard") for m in model.modules()
     )
     return counts
+
+
+def _placed(p, dim: str, kind: str) -> bool:
+    """Whether DTensor parameter `p` is placed `kind` (is_shard, is_replicate) on mesh dimension `dim`."""
+    mesh = getattr(p, "device_mesh", None)
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return dim in names and getattr(p.placements[names.index(dim)], kind)()
 
 
 def hand_back(job: Job, result: WorkerResult) -> None:

@@ -19,7 +19,6 @@ from components.precision import Recipe, recipe
 from components.store import ArtifactStore, Ref, open_store
 from components.stream import StreamingBlocks, open_split
 from components.train import checkpoint as ckpt
-from components.train.activation_checkpoint import apply_activation_checkpointing
 from components.train.collectives import Tracker, hand_back_hang
 from components.train.data import BlockSampler
 from components.train.grad_norms import LocalGradNorms
@@ -28,7 +27,7 @@ from components.train.model import build_model, count_params
 from components.train.monitor import Monitor, Watchdog
 from components.train.nonfinite import clean_name
 from components.train.optim import build_optimizer
-from components.train.parallel import apply_compile, wrap
+from components.train.parallel import ParallelDims, parallelize
 from components.train.prometheus import exporter_for
 from components.train.spec import TrainSpec
 from components.worker_side import REPORT_CONTEXT
@@ -64,6 +63,7 @@ class Job:
     device: torch.device
     recipe: Recipe
     fsdp: bool
+    dims: ParallelDims
     data_dir: Path  # the dataset version itself: tokenizer and stats (its blocks are in the shards)
     val: StreamingBlocks
     vocab: int
@@ -97,7 +97,7 @@ class Job:
 
 
 def build_job(spec: TrainSpec) -> Job:
-    """Data, model (fp8 convert -> activation checkpointing -> compile -> FSDP/DDP, as
+    """Data, model (fp8 convert -> TP -> activation checkpointing -> compile -> FSDP/DDP, as
     torchtitan orders them), optimizer, checkpointer and monitor."""
     train, model_cfg = spec.train, spec.model
     store = open_store(spec.store)
@@ -112,17 +112,15 @@ def build_job(spec: TrainSpec) -> Job:
     val = open_split(store, dataset, "val", spec.data_cache_gb, on_wait=watchdog.beat)
     vocab = dataset.metadata["stats"]["vocab_size"]
     data_dir = store.fetch(dataset)
-    sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, world, rank, train.seed)
+    dims = ParallelDims.of(train, world)
+    # tensor-parallel peers read the same samples: the sampler sees the data-parallel world
+    dp, dp_rank = dims.dp, dims.dp_rank(rank)
+    sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, dp, dp_rank, train.seed)
     model = build_model(model_cfg, model_cfg.vocab_size or vocab, train.seed).to(device)
     seq_len = blocks.block_len - 1
     n_flops = flops_per_token(model_cfg, count_params(model, exclude_embeddings=True), seq_len)
     precision.apply(model, train, device)
-    if train.activation_checkpointing:
-        apply_activation_checkpointing(model, train.ac_every_n_blocks)
-    compiled = train.compile if train.compile is not None else device.type == "cuda"
-    if compiled:
-        apply_compile(model)
-    model = wrap(model, train.parallelism, device, precision, train.dp_replicate)
+    model = parallelize(model, train, dims, device, precision)  # TP -> AC -> compile -> FSDP/DDP
     fsdp = hasattr(model, "set_requires_gradient_sync")
     if fsdp:
         precision.after_optimizer_step(model, train, fsdp)  # the first step's fp8 all-gather scales
@@ -158,6 +156,7 @@ def build_job(spec: TrainSpec) -> Job:
         device=device,
         recipe=precision,
         fsdp=fsdp,
+        dims=dims,
         data_dir=data_dir,
         val=val,
         vocab=vocab,
@@ -168,7 +167,7 @@ def build_job(spec: TrainSpec) -> Job:
         checkpointer=checkpointer,
         monitor=monitor,
         watchdog=watchdog,
-        tokens_per_step=train.micro_batch_size * train.grad_accum_steps * world * seq_len,
+        tokens_per_step=train.micro_batch_size * train.grad_accum_steps * dims.dp * seq_len,
         flops_per_token=n_flops,
         float8_modules=float8,
         guards=Guards(train),

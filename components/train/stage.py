@@ -51,6 +51,7 @@ NOT_IDENTITY = {
     "compile",
     "fsdp_sync_every_microbatch",  # the reduction order, as the world size: rounding, not the math
     "dp_replicate",  # HSDP's layout, as the world size
+    "tp",  # tensor parallelism's layout: DCP reshards its checkpoints into any other
     "activation_checkpointing",
     "ac_every_n_blocks",
     "metrics_port",

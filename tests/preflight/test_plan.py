@@ -294,6 +294,6 @@ def test_hsdp_shards_within_a_node_and_all_reduces_across_nodes(capsys):
     assert fsdp.weights_gb == pytest.approx(4 * fsdp.params / 32 / 1e9)
     assert hsdp.comm_s < fsdp.comm_s / 4
     assert main(["plan", *base, "train.dp_replicate=3"]) == 2  # 32 ranks are not 3 groups
-    assert "train.dp_replicate: 3 must divide the world size 32" in capsys.readouterr().err
+    assert "train.dp_replicate: 3 must divide the data-parallel world 32" in capsys.readouterr().err
     assert main(["plan", "train.dp_replicate=2", "cluster.nodes=2"]) == 2  # DDP has no shard groups
     assert "need train.parallelism=fsdp (HSDP), got ddp" in capsys.readouterr().err

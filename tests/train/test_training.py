@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -434,3 +435,82 @@ def test_fsdp_bf16_async_checkpoints_on_two_nodes(trainer):
     # the FSDP-sharded checkpoint and the gathered HF export hold the same weights
     verdict = run_validate(str(r.model.ref), defaults("eval", loss_tolerance=1.0), trainer.store)
     assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0
+
+
+def test_tensor_parallel_trains_the_losses_and_weights_of_one_process(trainer):
+    """TP=2 on two nodes (one process each: the pair splits every block's matmuls, both read the
+    same 8 sequences) and TP=2 x FSDP=2 on 2 nodes x 2 processes (2 data-parallel ranks of 4):
+    the global batch of one process with 8. fp32, 10 steps: losses within 1e-4 relative and
+    weights within 1e-4 of the one process; the live models' block projections and head are
+    DTensors split over the tp mesh dimension, FSDP's on top in the 2-D run."""
+    common = ["train.precision=fp32", "train.steps=10", "train.warmup_steps=2", "train.checkpoint_interval=10"]
+    one = trainer.run(*common, "train.micro_batch_size=8")
+    tp = Trainer(trainer.dataset_store, trainer.tmp / "tp").run(
+        *common, *TWO_NODES, "train.tp=2", "train.micro_batch_size=8"
+    )
+    tp_fsdp = Trainer(trainer.dataset_store, trainer.tmp / "tp_fsdp").run(
+        *common, "cluster.nodes=2", "cluster.procs_per_node=2", "train.parallelism=fsdp", "train.tp=2",
+        "train.micro_batch_size=4",
+    )  # fmt: skip
+    split = 7 * defaults("model").num_layers + 1  # q, k, v, o, gate, up, down per block, and the head
+    assert tp.result.wrapped_modules["tp_params"] == split and tp.result.wrapped_modules["fsdp"] == 0
+    assert tp_fsdp.result.wrapped_modules["tp_params"] == split and tp_fsdp.result.wrapped_modules["fsdp"] == 3
+    assert one.result.wrapped_modules["tp_params"] == 0
+    runs = (one, tp, tp_fsdp)
+    losses = [[r["loss"] for r in read_records(run.metrics)[0]] for run in runs]
+    assert [len(x) for x in losses] == [10, 10, 10]
+    for other in losses[1:]:
+        assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(losses[0], other, strict=True)), losses
+    a = final_weights(one)
+    for run in runs[1:]:
+        b = final_weights(run)
+        assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
+
+
+def test_fp8_tensor_parallel_splits_float8_linear_weights_over_tp(trainer):
+    """fp8 with TP=2: every Float8Linear of the live model holds its weight as a DTensor split
+    over the tp dimension (torchao's float8 TP styles), and the run trains finite losses."""
+    run = trainer.run(
+        *TWO_NODES, "train.tp=2", "train.precision=fp8", "train.steps=3", "train.warmup_steps=1",
+        "train.checkpoint_interval=3", "train.micro_batch_size=4",
+    )  # fmt: skip
+    blocks = defaults("model").num_layers
+    assert run.result.float8_linear_count == 7 * blocks
+    assert run.result.wrapped_modules["float8_tp_linear"] == 7 * blocks
+    losses = [r["loss"] for r in read_records(run.metrics)[0]]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_a_tensor_parallel_checkpoint_resumes_data_parallel_with_the_weights_and_samples_of_one_run(trainer):
+    """Train TP=2 (two nodes splitting every block, 8 sequences a step), then continue its
+    step-10 checkpoint data-parallel (DDP on two nodes, 4 sequences each) to step 20: DCP
+    reshards the tensor-parallel DTensors into whole tensors. The blocks read at every global
+    sample position (hashed from the rows handed to the model) are an uninterrupted
+    data-parallel run's; both TP ranks read each of theirs. The weights at step 20 equal the
+    uninterrupted TP run's within 1e-5 (nothing is lost across the change of layout); against
+    the uninterrupted DDP run they agree only to the layouts' rounding (fp32 Adam turns the
+    different reduction orders of TP and DDP into ~1e-4 apart after 20 steps, and one process
+    and DDP are already 1.6e-5 apart), so there the losses are held to 1e-5 relative."""
+    common = ["train.precision=fp32", "train.steps=20", "train.warmup_steps=2", "train.checkpoint_interval=10"]
+    tp_dir, dp_dir, whole_dir = (trainer.tmp / n for n in ("tp_rows", "dp_rows", "whole_rows"))
+    with injected(record_dir=str(tp_dir)):
+        tp = trainer.run(*common, *TWO_NODES, "train.tp=2", "train.micro_batch_size=8")
+    at10 = stored_checkpoints(trainer, tp)[10].ref.version
+    with injected(record_dir=str(dp_dir)):
+        dp = trainer.run(*common, *TWO_NODES, "train.micro_batch_size=4", f"train.resume={at10}")
+    assert dp.result.start_step == 10 and dp.result.resumed_from == f"checkpoint/tiny@{at10}"
+    with injected(record_dir=str(whole_dir)):
+        whole = Trainer(trainer.dataset_store, trainer.tmp / "whole").run(
+            *common, *TWO_NODES, "train.micro_batch_size=4"
+        )
+    first_leg = {k: v for k, v in read_batches(tp_dir).items() if k < 10 * 8}
+    assert all(len(v) == 2 and v[0] == v[1] for v in first_leg.values())  # the TP pair read one batch
+    got = {**{k: v[:1] for k, v in first_leg.items()}, **read_batches(dp_dir)}
+    want = read_batches(whole_dir)
+    assert sorted(got) == sorted(want) == list(range(20 * 8)) and got == want
+    a, b = final_weights(tp), final_weights(dp)
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    resumed = [r["loss"] for r in read_records(dp.metrics)[0]]
+    uninterrupted = [r["loss"] for r in read_records(whole.metrics)[0]]
+    assert len(resumed) == len(uninterrupted) == 20
+    assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(resumed, uninterrupted, strict=True))
