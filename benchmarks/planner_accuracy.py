@@ -5,9 +5,10 @@ A 125m-shaped Llama (transformers, SDPA) runs one forward + loss on the CPU unde
 distinct storage saved for backward that is not a parameter, plus, with activation
 checkpointing, the block inputs the checkpoints hold for their recompute. Under bf16 and fp8
 (autocast, as DDP runs them) the saved tensors include autocast's bf16 weight copies, so the
-planned figure there adds the recipe's weight copies. `ratio` = measured / planned, the worst
-(farthest from 1) of fp32, bf16 and fp8, each with and without activation checkpointing;
-target [0.9, 1.1].
+planned figure there adds the recipe's weight copies. The same again for one rank of a
+tensor-parallel pair (`train.tp=2`, under torch's fake process group: one process, a rank's
+real shards). `ratio` = measured / planned, the worst (farthest from 1) of fp32, bf16 and fp8,
+each with and without activation checkpointing, with tp 1 and 2; target [0.9, 1.1].
 """
 
 from __future__ import annotations
@@ -23,24 +24,54 @@ from components.config import ModelConfig, Parallelism, Precision, TrainConfig, 
 SHAPE_125M = dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, ffn_hidden_size=2048)
 
 
-def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> int:
-    """Bytes saved for backward by one forward + loss of a freshly built model."""
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors behind a DTensor (its local shard) or a tensor subclass (torchao's
+    Float8TrainingTensor: its fp8 data and scale)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return _plain(t.to_local())
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        return [x for name in t.__tensor_flatten__()[0] for x in _plain(getattr(t, name))]
+    return [t]
+
+
+def tp_model(model_cfg: ModelConfig, train: TrainConfig):
+    """A freshly built model in the train config's precision, tensor-parallel over `train.tp`
+    ranks of the initialised process group (a fake one measures a rank's share in one process)."""
     from components.precision import recipe
-    from components.train.activation_checkpoint import apply_activation_checkpointing
-    from components.train.model import build_model, transformer_blocks
+    from components.train.model import build_model
 
     model = build_model(model_cfg, model_cfg.vocab_size, seed=0)
+    recipe(train.precision).apply(model, train, torch.device("cpu"))
+    if train.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from components.train.tensor_parallel import apply_tp
+
+        apply_tp(model, init_device_mesh("cpu", (train.tp,), mesh_dim_names=("tp",)))
+    return model
+
+
+def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> int:
+    """Bytes saved for backward by one forward + loss of a freshly built model (with
+    `train.tp` > 1: by one tp rank)."""
+    from components.precision import recipe
+    from components.train.activation_checkpoint import apply_activation_checkpointing
+    from components.train.model import transformer_blocks
+
+    model = tp_model(model_cfg, train)
     precision = recipe(train.precision)
-    precision.apply(model, train, torch.device("cpu"))
     if train.activation_checkpointing:
         apply_activation_checkpointing(model, train.ac_every_n_blocks)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {x.untyped_storage().data_ptr() for p in model.parameters() for x in _plain(p)}
     saved: dict[int, int] = {}
 
     def keep(t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
+        for x in _plain(t):
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         keep(t)
@@ -65,11 +96,20 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
 def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> float:
     from components.model_math import param_tensors
     from components.precision import recipe
-    from components.preflight.plan import activation_bytes, weight_copies
+    from components.preflight.plan import activation_bytes, tp_local, weight_copies
 
-    tensors, layers = param_tensors(model_cfg), model_cfg.num_layers
+    tensors, layers = tp_local(param_tensors(model_cfg), train.tp), model_cfg.num_layers
     copies = weight_copies(tensors, layers, recipe(train.precision), train, sharded=False, recompute=False)
     return activation_bytes(model_cfg, train, seq_len, recompute=False) + copies
+
+
+def fake_tp_world(size: int = 2) -> None:
+    """One process stands for rank 0 of `size`: torch's fake process group runs no collective,
+    so a tp rank's shapes, shards and saved tensors are the real ones (values are not)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
 
 
 def main(argv: list[str]) -> None:
@@ -77,19 +117,22 @@ def main(argv: list[str]) -> None:
     model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
     seq_len, micro = 512, 2
     rows = {}
-    for precision in (Precision.fp32, Precision.bf16, Precision.fp8):
-        for ac in (False, True):
-            train = defaults(
-                "train",
-                precision=precision,
-                activation_checkpointing=ac,
-                micro_batch_size=micro,
-                parallelism=Parallelism.ddp,
-            )
-            measured, planned = measured_bytes(model_cfg, train, seq_len), planned_bytes(model_cfg, train, seq_len)
-            key = f"{precision.value}{'_ac' if ac else ''}"
-            rows[key] = {"measured_mb": measured / 1e6, "planned_mb": planned / 1e6, "ratio": measured / planned}
-            print(json.dumps({key: rows[key]}), flush=True)
+    fake_tp_world()
+    for tp in (1, 2):
+        for precision in (Precision.fp32, Precision.bf16, Precision.fp8):
+            for ac in (False, True):
+                train = defaults(
+                    "train",
+                    precision=precision,
+                    activation_checkpointing=ac,
+                    micro_batch_size=micro,
+                    parallelism=Parallelism.ddp,
+                    tp=tp,
+                )
+                measured, planned = measured_bytes(model_cfg, train, seq_len), planned_bytes(model_cfg, train, seq_len)
+                key = f"{'tp2_' if tp > 1 else ''}{precision.value}{'_ac' if ac else ''}"
+                rows[key] = {"measured_mb": measured / 1e6, "planned_mb": planned / 1e6, "ratio": measured / planned}
+                print(json.dumps({key: rows[key]}), flush=True)
     worst_key = max(rows, key=lambda k: abs(rows[k]["ratio"] - 1))
     worst = rows[worst_key]
     report(

@@ -31,6 +31,12 @@ class Recipe:
     # tensors per block; under bf16 autocast the residual stream and the RMSNorm internals stay
     # fp32, the projections' inputs, k, v and the MLP are bf16.
     act_bytes_per_hidden = 32.0
+    # Of those, the hidden-sized tensors inside attention (q, the attention output) that tensor
+    # parallelism splits with the heads; the rest (the residual stream, the RMSNorms and the
+    # projections' inputs) stays whole on every tp rank without sequence parallelism. The kv,
+    # FFN and log-sum-exp terms split whole. Counted under a tp=2 fake process group: fp32
+    # 2 tensors (8 B), bf16 2 bf16 tensors (4 B).
+    act_split_bytes_per_hidden = 8.0
     act_bytes_per_kv = 8.0
     act_bytes_per_ffn = 16.0
     head_bytes_per_hidden = 12.0
@@ -55,6 +61,12 @@ class Recipe:
 
     def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:
         """Per-step work once the weights changed (fp8: precompute the all-gather scales)."""
+
+    def block_act_bytes(self, tp: int) -> tuple[float, float, float, float]:
+        """A block's saved bytes per token: (whole per hidden, split over tp per hidden, per kv
+        width, per FFN width), the last two split over tp too."""
+        split = self.act_split_bytes_per_hidden
+        return self.act_bytes_per_hidden - split, split, self.act_bytes_per_kv, self.act_bytes_per_ffn
 
     def copy_bytes(self, linear: bool, fp8_eligible: bool, fsdp: bool, train: TrainConfig) -> float:
         """Bytes per element of the compute copy of one parameter, beside its fp32 master.

@@ -19,6 +19,7 @@ class BF16(Recipe):
     name = "bf16"
     compute_dtype = "bfloat16"
     act_bytes_per_hidden = 30.0
+    act_split_bytes_per_hidden = 4.0
     act_bytes_per_kv = 4.0
     act_bytes_per_ffn = 8.0
     head_bytes_per_hidden = 10.5

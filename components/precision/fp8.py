@@ -68,6 +68,15 @@ def _cast_input_to_bf16(module: torch.nn.Module, args: tuple):
 class FP8(BF16):
     name = "fp8"
 
+    def block_act_bytes(self, tp: int) -> tuple[float, float, float, float]:
+        """Under TP torchao's Float8Colwise/RowwiseParallel cast each Float8Linear's input to
+        fp8 before the module, so what the Linears save is fp8 (1 B): the five whole
+        hidden-sized inputs, o_proj's and down_proj's split ones; SDPA's output is saved once
+        more at bf16 (counted under a tp=2 fake process group, benchmarks/planner_accuracy.py)."""
+        if tp == 1:
+            return super().block_act_bytes(tp)
+        return 21.0, 5.0, self.act_bytes_per_kv, self.act_bytes_per_ffn - 1.0
+
     def check_model(self, model: ModelConfig) -> None:
         if not fp8_eligible_dims(model.hidden_size, model.hidden_size):  # every block Linear has hidden_size
             head_dim = model.hidden_size // model.num_heads

@@ -53,6 +53,15 @@ h = hidden, L = layers, a = heads):
   is all-reduced across the R replicas: 2(R-1)/R·4N/S at the network's. tokens/s = tokens
   per step / step time; MFU = FLOPs per token · tokens/s / (peak · W), so recomputation and
   communication both bring it under the device's efficiency.
+- Tensor parallelism (`train.tp` = T; the data-parallel world is W/T, and everything above
+  that says W means it): a tp rank holds 1/T of the blocks' Linears and of the head and the
+  whole embeddings and norms; weights, gradients, Adam state and compute copies follow. What
+  attention and the MLP save splits over T, the residual stream, the norms and the gathered
+  logits do not (no sequence parallelism). Compute per device is 1/T of a data-parallel
+  rank's; communication adds, per micro-batch, 4 all-reduces per block of T·h activations at
+  the compute dtype (2 more per checkpointed block's recompute), the head's logits all-gather
+  and its input-gradient all-reduce, over the tp group's bus bandwidth (NVLink: the group is
+  T consecutive ranks of one node).
 """
 
 from __future__ import annotations
@@ -121,13 +130,17 @@ def weight_copies(
 
 def activation_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, recompute: bool = True) -> float:
     """Bytes saved for backward by one micro-batch's forward, per device; with activation
-    checkpointing plus (if `recompute`) one block's activations live during its recompute."""
+    checkpointing plus (if `recompute`) one block's activations live during its recompute.
+    Under tensor parallelism (`train.tp`) what attention and the MLP save splits with the
+    heads and FFN columns; the head's logits are gathered, whole on every rank."""
     precision = recipe(train.precision)
     h, f, a, L = model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_layers
     kv = h // a * model.num_kv_heads  # the width of k and v
-    tokens = seq_len * train.micro_batch_size
-    per_token = precision.act_bytes_per_hidden * h + precision.act_bytes_per_kv * kv + precision.act_bytes_per_ffn * f
-    block = tokens * (per_token + 4 * a + 8)
+    tokens, tp = seq_len * train.micro_batch_size, train.tp
+    whole_h, split_h, per_kv, per_ffn = precision.block_act_bytes(tp)
+    whole = whole_h * h + 8  # the residual stream and the norms: whole on every tp rank
+    heads = split_h * h + per_kv * kv + per_ffn * f + 4 * a  # attention's and the MLP's: split with them
+    block = tokens * (whole + heads / tp)
     head = tokens * (4 * (model.vocab_size or 0) + precision.head_bytes_per_hidden * h + 36)
     if not train.activation_checkpointing:
         return L * block + head
@@ -154,6 +167,26 @@ def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: T
     return 2 * train.grad_accum_steps * gathered + reductions * 4 * n
 
 
+def tp_local(tensors: list[tuple[str, int, bool]], tp: int) -> list[tuple[str, int, bool]]:
+    """Each parameter tensor's elements on one tp rank: the blocks' Linears and the head split
+    over tp; embeddings and norms whole (replicated)."""
+    return [(kind, n // tp if kind in ("linear", "lm_head") else n, fp8) for kind, n, fp8 in tensors]
+
+
+def tp_comm_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, precision: Recipe) -> float:
+    """Bytes one tp rank sends per step before the ring's (tp-1)/tp: per micro-batch and block
+    two all-reduces of the activations (after o_proj and down_proj) forward, again in a
+    checkpointed block's recompute, and two of their input gradients backward, 2 x T·h each at
+    the compute dtype; the head all-gathers its logits (T·V) and all-reduces its input's
+    gradient."""
+    if train.tp == 1:
+        return 0.0
+    c = 4 if precision.compute_dtype == "float32" else 2
+    t, h, v = seq_len * train.micro_batch_size, model.hidden_size, model.vocab_size or 0
+    all_reduces = 4 * model.num_layers + 2 * checkpointed_blocks(model, train) + 1
+    return train.grad_accum_steps * (all_reduces * 2 * t * h * c + t * v * c)
+
+
 def plan(
     model: ModelConfig,
     train: TrainConfig,
@@ -164,16 +197,21 @@ def plan(
     peak_tflops: float | None = None,
     busbw_gbps: float | None = None,
     replicate_busbw_gbps: float | None = None,
+    tp_busbw_gbps: float | None = None,
 ) -> Plan:
     """`busbw_gbps`: the bus bandwidth of the data-parallel group (for HSDP, of a shard group);
-    `replicate_busbw_gbps`: HSDP's across its replicas (None: the same)."""
+    `replicate_busbw_gbps`: HSDP's across its replicas; `tp_busbw_gbps`: a tp group's (None:
+    the data-parallel group's)."""
     if vocab_size is not None and model.vocab_size is None:
         model = ModelConfig(**{**asdict(model), "vocab_size": vocab_size})
-    tensors = param_tensors(model)
+    tp = train.tp
+    full = param_tensors(model)
+    tensors = tp_local(full, tp)  # what one tp rank holds
     n = sum(t[1] for t in tensors)
-    sharded = train.parallelism == Parallelism.fsdp and world > 1
-    replicas = train.dp_replicate if sharded else 1  # HSDP: shard groups of world / dp_replicate ranks
-    shard = world // replicas if sharded else 1
+    dp = world // tp  # the data-parallel world
+    sharded = train.parallelism == Parallelism.fsdp and dp > 1
+    replicas = train.dp_replicate if sharded else 1  # HSDP: shard groups of dp / dp_replicate ranks
+    shard = dp // replicas if sharded else 1
     weights = 4 * n / shard
     grads = 4 * n / shard
     if sharded and train.grad_accum_steps > 1 and not train.fsdp_sync_every_microbatch:
@@ -189,24 +227,27 @@ def plan(
     h, a, s, b, L = model.hidden_size, model.num_heads, seq_len, train.micro_batch_size, model.num_layers
     head_dim = h // a
     fpt = planned_flops_per_token(model, s)
-    n_blocks = sum(k for kind, k, _ in tensors if kind in ("linear", "block_norm"))
+    n_blocks = sum(k for kind, k, _ in full if kind in ("linear", "block_norm"))
     recompute = checkpointed_blocks(model, train) / L * (2 * n_blocks + 4 * L * a * head_dim * s)
     step = compute = comm = tps = utilization = None
     if tflops:
-        tokens_per_device = b * train.grad_accum_steps * s
-        compute = (fpt + recompute) * tokens_per_device / (tflops * 1e12)
+        tokens_per_replica = b * train.grad_accum_steps * s  # what one data-parallel rank (its tp ranks) reads
+        compute = (fpt + recompute) * tokens_per_replica / tp / (tflops * 1e12)
         comm = 0.0
-        if world > 1 and busbw_gbps:  # without a bus bandwidth, communication is left out
-            group = shard if sharded else world
+        if dp > 1 and busbw_gbps:  # without a bus bandwidth, communication is left out
+            group = shard if sharded else dp
             comm = comm_bytes(tensors, precision, train) * (group - 1) / group / (busbw_gbps * GB)
             if replicas > 1:  # HSDP: each step's gradient shard all-reduced across the replicas
                 across = 2 * (replicas - 1) / replicas * 4 * n / shard
                 comm += across / ((replicate_busbw_gbps or busbw_gbps) * GB)
+        if tp > 1 and (tp_busbw_gbps or busbw_gbps):
+            tp_bw = (tp_busbw_gbps or busbw_gbps) * GB
+            comm += tp_comm_bytes(model, train, s, precision) * (tp - 1) / tp / tp_bw
         step = compute + comm
-        tps = tokens_per_device * world / step
+        tps = tokens_per_replica * dp / step
         utilization = mfu(tps, fpt, peak_tflops or tflops, world)
     return Plan(
-        params=n,
+        params=sum(t[1] for t in full),
         param_tensors=len(tensors),
         world=world,
         weights_gb=weights / GB,

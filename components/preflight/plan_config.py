@@ -76,21 +76,33 @@ def plan_for(cfg) -> tuple[Plan, PlanDevice]:
         peak_tflops=d.peak_tflops,
         busbw_gbps=shard_group_busbw(cfg, d),
         replicate_busbw_gbps=d.busbw_gbps,
+        tp_busbw_gbps=tp_group_busbw(cfg),
     )
     return p, d
 
 
+def tp_group_busbw(cfg) -> float | None:
+    """A tp group's bus bandwidth: NVLink when its consecutive ranks are on one node."""
+    from components.devices import busbw_gbps, device
+
+    c = cfg.cluster
+    if cfg.train.tp == 1 or not c.gpu_type:
+        return None
+    return busbw_gbps(device(c.gpu_type), 1 if c.procs_per_node % cfg.train.tp == 0 else 2)
+
+
 def shard_group_busbw(cfg, d: PlanDevice) -> float | None:
     """The bus bandwidth FSDP's collectives see: the world's, or for HSDP a shard group's
-    (consecutive ranks: within one node when it has procs_per_node ranks or fewer)."""
+    (consecutive ranks: within one node when it spans procs_per_node ranks or fewer, its tp
+    ranks included)."""
     from components.devices import busbw_gbps, device
 
     t, c = cfg.train, cfg.cluster
     spec = device(cfg.cluster.gpu_type) if cfg.cluster.gpu_type else None
     if t.parallelism != Parallelism.fsdp or t.dp_replicate == 1 or spec is None or d.busbw_gbps is None:
         return d.busbw_gbps
-    shard = c.nodes * c.procs_per_node // t.dp_replicate
-    return busbw_gbps(spec, -(-shard // c.procs_per_node))
+    span = c.nodes * c.procs_per_node // t.dp_replicate  # a shard group's dp ranks x their tp ranks
+    return busbw_gbps(spec, -(-span // c.procs_per_node))
 
 
 AC, PARALLELISM, MICRO_BATCH = "train.activation_checkpointing", "train.parallelism", "train.micro_batch_size"

@@ -1,12 +1,15 @@
 """`liftoff plan --search`: every layout liftoff trains today for a config's model, cluster and
 global batch, planned, the ones that fit ranked by predicted step time.
 
-A layout here: DDP, FSDP or HSDP (`train.dp_replicate` dividing the nodes, so a shard group
-is whole nodes), FSDP's reduce-scatter after every micro-batch or the last only,
-activation checkpointing off or on, and the micro batch (a power of two dividing the
-sequences per device per step; accumulation makes up the rest, so the global batch, and
-with it the optimisation, never changes). The nodes and processes stay as configured.
-Tensor and pipeline parallel are not among them: the trainer does not run them yet.
+A layout here: tensor parallel degree (`train.tp`: 1 or a power of two dividing a node's
+processes and the model's heads, kv heads and FFN width, so a tp group is on NVLink), DDP
+(with tp only when tp is the world), FSDP or HSDP over the data-parallel ranks
+(`train.dp_replicate` dividing the nodes, so a shard group is whole nodes), FSDP's
+reduce-scatter after every micro-batch or the last only, activation checkpointing off or
+on, and the micro batch (a power of two dividing the sequences per data-parallel rank per
+step; accumulation makes up the rest, so the global batch, and with it the optimisation,
+never changes). The nodes and processes stay as configured. Pipeline parallel is not among
+them: the trainer does not run it yet.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from components.preflight.plan import Plan, fits
 from components.preflight.plan_config import AC, MICRO_BATCH, PARALLELISM, as_overrides, plan_for, with_changes
 
 SYNC, ACCUM, REPLICATE = "train.fsdp_sync_every_microbatch", "train.grad_accum_steps", "train.dp_replicate"
+TP = "train.tp"
 
 
 @dataclass
@@ -32,22 +36,34 @@ def _micro_batches(per_device: int) -> list[int]:
 
 def layouts(cfg) -> list[dict]:
     """Every layout's changes against the config, the configured one included."""
-    t = cfg.train
-    per_device = t.micro_batch_size * t.grad_accum_steps
-    data_parallel = [(Parallelism.ddp, 1)] + [
-        (Parallelism.fsdp, r) for r in range(1, cfg.cluster.nodes + 1) if cfg.cluster.nodes % r == 0
-    ]
+    t, c, m = cfg.train, cfg.cluster, cfg.model
+    world = c.nodes * c.procs_per_node
+    global_batch = t.micro_batch_size * t.grad_accum_steps * (world // t.tp)
+    splits = (m.num_heads, m.num_kv_heads, m.ffn_hidden_size, c.procs_per_node)
     found = []
-    for parallelism, replicas in data_parallel:
-        for ac in (False, True):
-            for micro in _micro_batches(per_device):
-                accum = per_device // micro
-                fsdp_accumulates = parallelism == Parallelism.fsdp and accum > 1
-                syncs = (True, False) if fsdp_accumulates else (t.fsdp_sync_every_microbatch,)
-                for sync in syncs:
-                    layout = {PARALLELISM: parallelism, REPLICATE: replicas, AC: ac, MICRO_BATCH: micro,
-                              ACCUM: accum, SYNC: sync}  # fmt: skip
-                    found.append({k: v for k, v in layout.items() if _value(cfg, k) != v})
+    for tp in (2**i for i in range(c.procs_per_node.bit_length())):
+        dp = world // tp
+        if any(n % tp for n in splits) or (global_batch * tp) % world:
+            continue
+        data_parallel = [(Parallelism.ddp, 1)] if dp == 1 or tp == 1 else []
+        if dp > 1:
+            data_parallel += [(Parallelism.fsdp, r) for r in range(1, c.nodes + 1) if c.nodes % r == 0 and dp > r]
+        for parallelism, replicas in data_parallel:
+            found += _batchings(cfg, {TP: tp, PARALLELISM: parallelism, REPLICATE: replicas}, global_batch // dp)
+    return found
+
+
+def _batchings(cfg, layout: dict, per_replica: int) -> list[dict]:
+    """A layout with activation checkpointing off and on, each micro batch and FSDP's syncs."""
+    found = []
+    for ac in (False, True):
+        for micro in _micro_batches(per_replica):
+            accum = per_replica // micro
+            fsdp_accumulates = layout[PARALLELISM] == Parallelism.fsdp and accum > 1
+            syncs = (True, False) if fsdp_accumulates else (cfg.train.fsdp_sync_every_microbatch,)
+            for sync in syncs:
+                full = {**layout, AC: ac, MICRO_BATCH: micro, ACCUM: accum, SYNC: sync}
+                found.append({k: v for k, v in full.items() if _value(cfg, k) != v})
     return found
 
 

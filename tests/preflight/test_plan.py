@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -268,7 +271,8 @@ def test_plan_search_ranks_the_layouts_that_fit_by_step_time_and_keeps_the_globa
         overrides = [] if r[5] == "(as configured)" else r[5].split()
         p, d = plan_for(cfg := _cfg(*SEARCH_70B, *overrides))
         assert fits(p, d.memory_gb, 0.9) and f"{p.step_time_s:.3g}" == r[2]
-        assert cfg.train.micro_batch_size * cfg.train.grad_accum_steps == 16
+        assert cfg.train.micro_batch_size * cfg.train.grad_accum_steps * 32 // cfg.train.tp == 16 * 32
+    assert {_cfg(*SEARCH_70B, *r[5].split()).train.tp for r in rows if r[5] != "(as configured)"} >= {1, 2, 8}
     assert f"best: {rows[0][5]}" in out
     # planned MFU never passes the device's published bound, in any layout, fitting or not
     for changes in layouts(base):
@@ -297,3 +301,52 @@ def test_hsdp_shards_within_a_node_and_all_reduces_across_nodes(capsys):
     assert "train.dp_replicate: 3 must divide the data-parallel world 32" in capsys.readouterr().err
     assert main(["plan", "train.dp_replicate=2", "cluster.nodes=2"]) == 2  # DDP has no shard groups
     assert "need train.parallelism=fsdp (HSDP), got ddp" in capsys.readouterr().err
+
+
+TP_RANK = """
+import json, sys
+from benchmarks.planner_accuracy import fake_tp_world, measured_bytes, planned_bytes, tp_model
+from components.config import defaults
+from components.preflight.plan import plan
+fake_tp_world(2)
+model = defaults("model", vocab_size=2048, hidden_size=128, num_layers=3, num_heads=8, num_kv_heads=2,
+                 ffn_hidden_size=320)
+out = {}
+for precision in ("fp32", "bf16", "fp8"):
+    train = defaults("train", precision=precision, micro_batch_size=4, tp=2)
+    live = tp_model(model, train)
+    held = sum(p.to_local().numel() * 4 for p in live.parameters())
+    out[precision] = [measured_bytes(model, train, 48), planned_bytes(model, train, 48),
+                      held, plan(model, train, world=2, seq_len=48).weights_gb * 1e9]
+print(json.dumps(out))
+"""
+
+
+def test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds():
+    """One rank of a tp=2 pair, built by the trainer's own TP code under torch's fake process
+    group (one process; a rank's real shards and saved tensors), at another shape than the
+    coefficients came from: the planned fp32 weights are the bytes of its parameter shards
+    exactly (Linears and the head halved, embeddings and norms whole), and the planned
+    activations (the norms' whole, attention's and the MLP's halved; fp8's inputs saved at 1 B
+    under torchao's float8 TP styles) are within 2% of what autograd saves."""
+    run = subprocess.run([sys.executable, "-c", TP_RANK], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    whole = plan(defaults("model", vocab_size=2048, hidden_size=128, num_layers=3, num_heads=8, num_kv_heads=2,
+                          ffn_hidden_size=320), defaults("train"), world=1, seq_len=48)  # fmt: skip
+    for precision, (measured, planned, held, planned_weights) in rows.items():
+        assert 0.98 <= measured / planned <= 1.02, (precision, measured / planned)
+        assert held == round(planned_weights) and held < 0.75 * whole.weights_gb * 1e9, precision
+
+
+def test_tensor_parallel_plans_a_share_of_the_compute_and_the_activation_all_reduces_on_nvlink():
+    """TP=8 on one 8-GPU node against DDP over the same 8: each device holds ~1/8 of the
+    Linears, computes 1/8 of the tokens' FLOPs of its 8x larger per-replica batch (the global
+    batch fixed), and communicates over NVLink; MFU stays under the device's bound."""
+    base = ["model=7b", "cluster=kubernetes", "cluster.nodes=1", "cluster.procs_per_node=8", "data.seq_len=4096",
+            "train.precision=bf16", "train.activation_checkpointing=true"]  # fmt: skip
+    ddp, d = plan_for(_cfg(*base, "train.micro_batch_size=1", "train.grad_accum_steps=8"))
+    tp, _ = plan_for(_cfg(*base, "train.tp=8", "train.micro_batch_size=8", "train.grad_accum_steps=8"))
+    assert tp.weights_gb < ddp.weights_gb / 6 and tp.params == ddp.params
+    assert tp.compute_s == pytest.approx(ddp.compute_s, rel=1e-9)  # same tokens per device, same FLOPs
+    assert tp.comm_s > 0 and tp.mfu <= d.efficiency and tp.tokens_per_s <= ddp.tokens_per_s * 1.5
