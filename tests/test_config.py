@@ -287,6 +287,8 @@ def test_values_that_cannot_work_fail_at_compose_naming_the_key(override, messag
         (["train.tp=2", "cluster.nodes=4", "train.parallelism=fsdp", "train.dp_replicate=2"],
          "train.dp_replicate: 2 must divide the data-parallel world 2 (cluster.nodes x procs_per_node / train.tp)"),
         (["train.tp=0"], "train.tp: must be >= 1 (1: no tensor parallelism), got 0"),
+        (["train.tp=2", "cluster.nodes=2", "train.precision=fp8", "train.fp8_recipe=rowwise"],
+         "train.tp: 2 with fp8 needs train.fp8_recipe=tensorwise (torchao's float8 TP styles), got rowwise"),
     ],
 )  # fmt: skip
 def test_tensor_parallel_degrees_that_cannot_split_the_world_or_the_model_fail_at_compose(overrides, message):

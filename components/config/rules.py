@@ -129,6 +129,10 @@ def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model:
         why = (f"{tp} with train.parallelism=ddp needs the world size {world} to be {tp} (DDP does not replicate "
                "tensor-parallel DTensors): use train.parallelism=fsdp to add data parallelism")  # fmt: skip
         rules.append(("train.tp", train.parallelism != "ddp" or world == tp, why))
+    if tp > 1 and train.precision == "fp8":  # torchao's float8 TP styles cast inputs tensorwise
+        got = train.fp8_recipe.value
+        why = f"{tp} with fp8 needs train.fp8_recipe=tensorwise (torchao's float8 TP styles), got {got}"
+        rules.append(("train.tp", train.fp8_recipe == "tensorwise", why))
     if tp > 1 and model is not None:
         for key, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
                        ("ffn_hidden_size", model.ffn_hidden_size)):  # fmt: skip

@@ -58,10 +58,11 @@ h = hidden, L = layers, a = heads):
   whole embeddings and norms; weights, gradients, Adam state and compute copies follow. What
   attention and the MLP save splits over T, the residual stream, the norms and the gathered
   logits do not (no sequence parallelism). Compute per device is 1/T of a data-parallel
-  rank's; communication adds, per micro-batch, 4 all-reduces per block of T·h activations at
-  the compute dtype (2 more per checkpointed block's recompute), the head's logits all-gather
-  and its input-gradient all-reduce, over the tp group's bus bandwidth (NVLink: the group is
-  T consecutive ranks of one node).
+  rank's; communication adds, per micro-batch, 7 all-reduces per block of T·h activations at
+  the compute dtype (2 forward, 5 backward: one per colwise Linear's input gradient; 2 more
+  per checkpointed block's recompute), the head's logits all-gather and its input-gradient
+  all-reduce, over the tp group's bus bandwidth (NVLink: the group is T consecutive ranks of
+  one node).
 """
 
 from __future__ import annotations
@@ -176,15 +177,17 @@ def tp_local(tensors: list[tuple[str, int, bool]], tp: int) -> list[tuple[str, i
 def tp_comm_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, precision: Recipe) -> float:
     """Bytes one tp rank sends per step before the ring's (tp-1)/tp: per micro-batch and block
     two all-reduces of the activations (after o_proj and down_proj) forward, again in a
-    checkpointed block's recompute, and two of their input gradients backward, 2 x T·h each at
-    the compute dtype; the head all-gathers its logits (T·V) and all-reduces its input's
-    gradient."""
+    checkpointed block's recompute, and backward one of the input gradient of each colwise
+    Linear (q, k, v, gate, up: each takes the whole input on its own), 2 x T·h each at the
+    compute dtype; an untied head all-gathers its logits (T·V) and all-reduces its input's
+    gradient (a tied one is computed whole)."""
     if train.tp == 1:
         return 0.0
     c = 4 if precision.compute_dtype == "float32" else 2
     t, h, v = seq_len * train.micro_batch_size, model.hidden_size, model.vocab_size or 0
-    all_reduces = 4 * model.num_layers + 2 * checkpointed_blocks(model, train) + 1
-    return train.grad_accum_steps * (all_reduces * 2 * t * h * c + t * v * c)
+    all_reduces = 7 * model.num_layers + 2 * checkpointed_blocks(model, train)
+    head = 0 if model.tie_embeddings else 2 * t * h * c + t * v * c
+    return train.grad_accum_steps * (all_reduces * 2 * t * h * c + head)
 
 
 def plan(

@@ -76,19 +76,18 @@ def plan_for(cfg) -> tuple[Plan, PlanDevice]:
         peak_tflops=d.peak_tflops,
         busbw_gbps=shard_group_busbw(cfg, d),
         replicate_busbw_gbps=d.busbw_gbps,
-        tp_busbw_gbps=tp_group_busbw(cfg),
+        tp_busbw_gbps=tp_group_busbw(cfg.train, cfg.cluster),
     )
     return p, d
 
 
-def tp_group_busbw(cfg) -> float | None:
+def tp_group_busbw(train, cluster) -> float | None:
     """A tp group's bus bandwidth: NVLink when its consecutive ranks are on one node."""
     from components.devices import busbw_gbps, device
 
-    c = cfg.cluster
-    if cfg.train.tp == 1 or not c.gpu_type:
+    if train.tp == 1 or not cluster.gpu_type:
         return None
-    return busbw_gbps(device(c.gpu_type), 1 if c.procs_per_node % cfg.train.tp == 0 else 2)
+    return busbw_gbps(device(cluster.gpu_type), 1 if cluster.procs_per_node % train.tp == 0 else 2)
 
 
 def shard_group_busbw(cfg, d: PlanDevice) -> float | None:

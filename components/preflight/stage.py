@@ -28,6 +28,7 @@ from components.precision import recipe
 from components.preflight import bench, numerics
 from components.preflight.bench import NodeMeasurement
 from components.preflight.plan import Plan, fits, plan
+from components.preflight.plan_config import tp_group_busbw
 from components.preflight.plan_format import format_plan
 from components.preflight.spec import PreflightSpec
 from components.preflight.verdict import NodeVerdict, floors_for, judge
@@ -225,6 +226,7 @@ def run_preflight(
         tflops=tflops,
         peak_tflops=train.peak_tflops,
         busbw_gbps=busbw if world > 1 else None,
+        tp_busbw_gbps=tp_group_busbw(train, cluster),  # the table's NVLink: preflight measures the world's
     )
     result = PreflightResult(nodes, verdicts, step_plan, device_gb, time.perf_counter() - t0, published.ref)
     result.quarantined = {n: r.reason for n, r in held_out.items()}

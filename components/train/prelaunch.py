@@ -61,13 +61,13 @@ def check_inputs(
             f"the dataset's blocks hold seq_len={stats['seq_len']} tokens, more than "
             f"model.max_seq_len={model.max_seq_len}"
         )
-    world = cluster.nodes * cluster.procs_per_node
+    world = cluster.nodes * cluster.procs_per_node // train.tp  # the data-parallel ranks read distinct blocks
     per_step = train.micro_batch_size * train.grad_accum_steps * world
     n_blocks = stats["splits"]["train"]["blocks"]
     if n_blocks < per_step:
         raise DataFitError(
             f"train.micro_batch_size={train.micro_batch_size} x train.grad_accum_steps="
-            f"{train.grad_accum_steps} x world size {world} = {per_step} blocks per step, but the "
+            f"{train.grad_accum_steps} x data-parallel world {world} = {per_step} blocks per step, but the "
             f"train split has only {n_blocks} blocks"
         )
     recipe(train.precision).check_model(model)
