@@ -37,33 +37,27 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def tp_model(model_cfg: ModelConfig, train: TrainConfig):
-    """A freshly built model in the train config's precision, tensor-parallel over `train.tp`
-    ranks of the initialised process group (a fake one measures a rank's share in one process)."""
+    """A freshly built model as the worker builds one rank's (precision conversion, then
+    `parallelize`: TP over `train.tp` ranks of the initialised process group, a fake one
+    measuring a rank's share in one process, and activation checkpointing)."""
     from components.precision import recipe
     from components.train.model import build_model
+    from components.train.parallel import ParallelDims, parallelize
 
     model = build_model(model_cfg, model_cfg.vocab_size, seed=0)
-    recipe(train.precision).apply(model, train, torch.device("cpu"))
-    if train.tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from components.train.tensor_parallel import apply_tp
-
-        apply_tp(model, init_device_mesh("cpu", (train.tp,), mesh_dim_names=("tp",)))
-    return model
+    precision, cpu = recipe(train.precision), torch.device("cpu")
+    precision.apply(model, train, cpu)
+    return parallelize(model, train, ParallelDims.of(train, train.tp), cpu, precision)
 
 
 def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> int:
     """Bytes saved for backward by one forward + loss of a freshly built model (with
     `train.tp` > 1: by one tp rank)."""
     from components.precision import recipe
-    from components.train.activation_checkpoint import apply_activation_checkpointing
     from components.train.model import transformer_blocks
 
     model = tp_model(model_cfg, train)
     precision = recipe(train.precision)
-    if train.activation_checkpointing:
-        apply_activation_checkpointing(model, train.ac_every_n_blocks)
     params = {x.untyped_storage().data_ptr() for p in model.parameters() for x in _plain(p)}
     saved: dict[int, int] = {}
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from components.config import Parallelism
 from components.preflight.plan import Plan, fits
 from components.preflight.plan_config import AC, MICRO_BATCH, PARALLELISM, as_overrides, plan_for, with_changes
+from components.preflight.plan_format import global_batch
 
 SYNC, ACCUM, REPLICATE = "train.fsdp_sync_every_microbatch", "train.grad_accum_steps", "train.dp_replicate"
 TP = "train.tp"
@@ -36,20 +37,20 @@ def _micro_batches(per_device: int) -> list[int]:
 
 def layouts(cfg) -> list[dict]:
     """Every layout's changes against the config, the configured one included."""
-    t, c, m = cfg.train, cfg.cluster, cfg.model
+    c, m = cfg.cluster, cfg.model
     world = c.nodes * c.procs_per_node
-    global_batch = t.micro_batch_size * t.grad_accum_steps * (world // t.tp)
+    batch = global_batch(cfg)
     splits = (m.num_heads, m.num_kv_heads, m.ffn_hidden_size, c.procs_per_node)
     found = []
     for tp in (2**i for i in range(c.procs_per_node.bit_length())):
         dp = world // tp
-        if any(n % tp for n in splits) or (global_batch * tp) % world:
+        if any(n % tp for n in splits) or (batch * tp) % world:
             continue
         data_parallel = [(Parallelism.ddp, 1)] if dp == 1 or tp == 1 else []
         if dp > 1:
             data_parallel += [(Parallelism.fsdp, r) for r in range(1, c.nodes + 1) if c.nodes % r == 0 and dp > r]
         for parallelism, replicas in data_parallel:
-            found += _batchings(cfg, {TP: tp, PARALLELISM: parallelism, REPLICATE: replicas}, global_batch // dp)
+            found += _batchings(cfg, {TP: tp, PARALLELISM: parallelism, REPLICATE: replicas}, batch // dp)
     return found
 
 

@@ -2,8 +2,9 @@
 
 In each block the attention's q/k/v and the MLP's gate/up projections are split by output
 features (`ColwiseParallel`: each rank computes its heads, its FFN columns) and o/down by input
-features (`RowwiseParallel`: partial sums, all-reduced): two all-reduces forward and two
-backward per block over the `tp` mesh dimension. The output head is split by vocabulary and
+features (`RowwiseParallel`: partial sums, all-reduced): two all-reduces forward per block
+over the `tp` mesh dimension, and backward one per colwise projection (each takes the whole
+input, so each all-reduces its input's gradient). The output head is split by vocabulary and
 its logits gathered, so the loss is the plain cross-entropy on full logits. Embeddings and
 RMSNorms stay whole, their parameters replicated DTensors on the same mesh (`Replicated`),
 so every parameter is a DTensor on one mesh: the optimizer, the gradient norm and DCP treat
