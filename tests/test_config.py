@@ -298,6 +298,36 @@ def test_tensor_parallel_degrees_that_cannot_split_the_world_or_the_model_fail_a
     compose(["train.tp=2", "cluster.nodes=4", "train.parallelism=fsdp"])  # TP=2 x FSDP=2 composes
 
 
+PP = ["train.pp=2", "train.grad_accum_steps=2"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train.pp=2", "cluster.nodes=2"], "train.grad_accum_steps: 1 micro-batches cannot fill 2 pipeline stages"),
+        ([*PP, "cluster.nodes=3"], "train.pp: 2 must divide the world size 3"),
+        ([*PP, "cluster.nodes=4"], "train.pp: 2 with train.parallelism=ddp needs the world size 4 to be 2"),
+        ([*PP, "cluster.nodes=2", "train.pp_schedule=interleaved_1f1b"],
+         "train.pp: 2 x 2 stage(s) per rank (interleaved_1f1b) need model.num_layers >= 4, got 2"),
+        ([*PP, "cluster.nodes=2", "model.tie_embeddings=true"], "train.pp: 2 needs model.tie_embeddings=false"),
+        ([*PP, "cluster.nodes=4", "train.tp=2", "train.parallelism=fsdp"],
+         "train.pp: 2 with train.tp=2: pipeline and tensor parallelism together are not built"),
+        ([*PP, "cluster.nodes=2", "train.loss_scaling=true"], "train.pp: 2 with train.loss_scaling"),
+        (["train.pp=2", "train.grad_accum_steps=5", "cluster.nodes=2", "train.pp_schedule=interleaved_1f1b",
+          "model.num_layers=4"], "train.grad_accum_steps: 5 is not a multiple of the interleaved schedule's 2 rounds"),
+        ([*PP, "cluster.nodes=4", "train.parallelism=fsdp", "train.dp_replicate=2"],
+         "train.dp_replicate: 2 must divide the data-parallel world 2 (cluster.nodes x procs_per_node / train.pp)"),
+        (["train.pp_schedule=zero_bubble"], "train.pp_schedule: 'zero_bubble': one of 1f1b, gpipe, interleaved_1f1b"),
+        (["train.pp=0"], "train.pp: must be >= 1 (1: no pipeline parallelism), got 0"),
+    ],
+)  # fmt: skip
+def test_pipeline_degrees_that_cannot_fill_the_stages_fail_at_compose(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    assert message in str(err.value)
+    compose([*PP, "cluster.nodes=4", "train.parallelism=fsdp"])  # PP=2 x FSDP=2 composes
+
+
 @pytest.mark.parametrize(
     "override,message",
     [

@@ -12,7 +12,7 @@
 Every name is importable from `components.config` itself.
 """
 
-from components.config.bounds import BOUNDS, NOT_BOUNDED, out_of_bounds
+from components.config.bounds import BOUNDS, NOT_BOUNDED, PIPELINE_SCHEDULES, out_of_bounds
 from components.config.composition import (
     CONF_DIR,
     compose,
@@ -81,6 +81,7 @@ __all__ = [
     "ModelConfig",
     "Guard",
     "Parallelism",
+    "PIPELINE_SCHEDULES",
     "Precision",
     "PreflightConfig",
     "Scheduler",

@@ -59,6 +59,7 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "train.sdc_interval": (">= 0", "0 disables"),
     "train.dp_replicate": (">= 1", "1: no HSDP replicas"),
     "train.tp": (">= 1", "1: no tensor parallelism"),
+    "train.pp": (">= 1", "1: no pipeline parallelism"),
     "train.straggler_interval": ">= 1",
     "train.straggler_zscore": "> 0",
     "train.watchdog_timeout_s": "> 0",
@@ -99,6 +100,10 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "kfp.eval_memory_gb": "> 0",
     "kfp.task_retries": ">= 0",
 }
+# torch.distributed.pipelining's schedules (train.pp_schedule: the names start with a digit, so
+# a string the rules check, not an Enum) and the stages each pipeline rank holds in them
+PIPELINE_SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": 2}
+
 NOT_BOUNDED = {"data.split_seed": "any int keys the split's hash"}
 
 _BOUND = re.compile(r"(?P<op>>=?) (?P<low>\S+)|(?P<lb>[\[(])(?P<a>\S+), (?P<b>\S+)(?P<rb>[\])])")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from components.config.bounds import out_of_bounds
+from components.config.bounds import PIPELINE_SCHEDULES, out_of_bounds
 
 if TYPE_CHECKING:
     from components.config.schema import (
@@ -119,9 +119,11 @@ def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model:
         why = f"{r} replicas need train.parallelism=fsdp (HSDP), got {getattr(train.parallelism, 'value', '')}"
         rules.append(("train.dp_replicate", train.parallelism == "fsdp", why))
         if world is not None:
-            dp = world // tp if world % tp == 0 else world
-            why = (f"{r} must divide the data-parallel world {dp} (cluster.nodes x procs_per_node"
-                   f"{' / train.tp' if tp > 1 else ''}) into groups of 2+ ranks")  # fmt: skip
+            split = tp * train.pp
+            dp = world // split if world % split == 0 else world
+            over = (" / train.tp" if tp > 1 else "") + (" / train.pp" if train.pp > 1 else "")
+            why = f"{r} must divide the data-parallel world {dp} (cluster.nodes x procs_per_node{over})"
+            why += " into groups of 2+ ranks"
             rules.append(("train.dp_replicate", dp % r == 0 and dp > r, why))
     if tp > 1 and world is not None:
         why = f"{tp} must divide the world size {world} (cluster.nodes x procs_per_node)"
@@ -133,11 +135,54 @@ def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model:
         got = train.fp8_recipe.value
         why = f"{tp} with fp8 needs train.fp8_recipe=tensorwise (torchao's float8 TP styles), got {got}"
         rules.append(("train.tp", train.fp8_recipe == "tensorwise", why))
+    known = ", ".join(PIPELINE_SCHEDULES)
+    rules.append(
+        ("train.pp_schedule", train.pp_schedule in PIPELINE_SCHEDULES, f"{train.pp_schedule!r}: one of {known}")
+    )
+    if train.pp > 1 and train.pp_schedule in PIPELINE_SCHEDULES:
+        rules += pipeline_rules(train, world, model)
     if tp > 1 and model is not None:
         for key, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
                        ("ffn_hidden_size", model.ffn_hidden_size)):  # fmt: skip
             rules.append(("train.tp", n % tp == 0, f"{tp} must divide model.{key}={n} (each rank holds a whole share)"))
     return failed(rules)
+
+
+def pipeline_rules(train: TrainConfig, world: int | None, model: ModelConfig | None) -> list:
+    pp, tp, accum = train.pp, train.tp, train.grad_accum_steps
+    per_rank = PIPELINE_SCHEDULES[train.pp_schedule]
+    rules = [
+        ("train.pp", tp == 1, f"{pp} with train.tp={tp}: pipeline and tensor parallelism together are not built"),
+        ("train.pp", not train.loss_scaling, f"{pp} with train.loss_scaling: the schedule runs backward unscaled"),
+        ("train.grad_accum_steps", accum >= pp,
+         f"{accum} micro-batches cannot fill {pp} pipeline stages (train.pp): each step needs >= {pp}"),
+    ]  # fmt: skip
+    if per_rank > 1:
+        rounds = max(1, accum // pp)
+        why = f"{accum} is not a multiple of the interleaved schedule's {rounds} rounds (grad_accum_steps // pp)"
+        rules.append(("train.grad_accum_steps", accum % rounds == 0, why))
+    if world is not None:
+        rules.append(
+            ("train.pp", world % pp == 0, f"{pp} must divide the world size {world} (cluster.nodes x procs_per_node)")
+        )
+        why = (
+            f"{pp} with train.parallelism=ddp needs the world size {world} to be {pp} (DDP breaks under "
+            "a schedule's several forwards per backward): use train.parallelism=fsdp to add data parallelism"
+        )
+        rules.append(("train.pp", train.parallelism != "ddp" or world == pp, why))
+    if model is not None:
+        stages = pp * per_rank
+        rules.append(("train.pp", model.num_layers >= stages,
+                      f"{pp} x {per_rank} stage(s) per rank ({train.pp_schedule}) need model.num_layers >= "
+                      f"{stages}, got {model.num_layers}"))  # fmt: skip
+        rules.append(
+            (
+                "train.pp",
+                not model.tie_embeddings,
+                f"{pp} needs model.tie_embeddings=false: the embeddings and the head live on two stages",
+            )
+        )
+    return rules
 
 
 def preflight_rules(preflight: PreflightConfig, cluster: ClusterConfig | None = None) -> list[str]:

@@ -118,6 +118,8 @@ class TrainConfig:
     parallelism: Parallelism = MISSING
     dp_replicate: int = MISSING  # HSDP (fsdp only): replicas of the FSDP shard groups; 1 = plain FSDP
     tp: int = MISSING  # tensor-parallel degree (ranks splitting each block's matmuls); 1 = none
+    pp: int = MISSING  # pipeline-parallel degree (ranks each holding a run of the blocks); 1 = none
+    pp_schedule: str = MISSING  # how micro-batches flow through the stages: PIPELINE_SCHEDULES
     micro_batch_size: int = MISSING
     grad_accum_steps: int = MISSING
     # FSDP/HSDP: reduce-scatter after every micro-batch (sharded gradients accumulate); false:

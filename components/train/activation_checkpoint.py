@@ -9,11 +9,12 @@ from components.train.model import transformer_blocks
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, every_n: int) -> int:
-    """Recompute the activations of every n-th block in backward; return how many were wrapped."""
+    """Recompute the activations of every n-th block in backward (counted in the whole model:
+    a pipeline stage's blocks keep their indices); return how many were wrapped."""
     blocks = transformer_blocks(model)
     wrapped = 0
-    for i in range(len(blocks)):
-        if i % every_n == 0:
-            blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=False)
+    for key, block in list(blocks.named_children()):
+        if int(key) % every_n == 0:
+            setattr(blocks, key, checkpoint_wrapper(block, preserve_rng_state=False))
             wrapped += 1
     return wrapped

@@ -19,7 +19,10 @@ def export_hf(
     as a plain `LlamaForCausalLM` that `AutoModelForCausalLM.from_pretrained` loads."""
     from transformers import LlamaForCausalLM
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if getattr(model, "pp_mesh", None) is not None:
+        full = gather_stages(model, rank)
+    else:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
     with torch.device("meta"):
@@ -29,3 +32,18 @@ def export_hf(
         shutil.rmtree(out)
     plain.save_pretrained(str(out), safe_serialization=True)
     shutil.copytree(tokenizer_dir, out, dirs_exist_ok=True)
+
+
+def gather_stages(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """Under pipeline parallelism: each rank's stages whole (gathered over its data-parallel
+    group), then data-parallel rank 0's pipeline sends them to rank 0, which joins them."""
+    import torch.distributed as dist
+
+    own = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    own = {k: v.detach().cpu() for k, v in own.items()}
+    group = model.pp_mesh.get_group()
+    if 0 not in dist.get_process_group_ranks(group):  # another data-parallel rank's pipeline
+        return {}
+    parts = [None] * model.pp_mesh.size() if rank == 0 else None
+    dist.gather_object(own, parts, dst=0, group=group)
+    return {k: v for part in parts or [] for k, v in part.items()}

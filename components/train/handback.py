@@ -104,7 +104,12 @@ def training_facts(job: Job) -> dict:
         "activation_checkpointed": wrapped["activation_checkpoint"],
         "compiled": wrapped["compiled"],
         "wrapper": ("FSDP2" if wrapped["fsdp"] else ("DDP" if job.dims.dp > 1 else "one process"))
-        + (f" x TP={job.dims.tp}" if job.dims.tp > 1 else ""),
+        + (f" x TP={job.dims.tp}" if job.dims.tp > 1 else "")
+        + (
+            f" x PP={job.dims.pp} ({job.train.pp_schedule}, {wrapped['pp_stages']} stage(s) on rank 0)"
+            if job.dims.pp > 1
+            else ""
+        ),
     }
 
 
@@ -122,10 +127,16 @@ def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
     """How many modules of the trained model each wrapper holds, counted by type."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    kinds = {"fsdp": FSDPModule, "activation_checkpoint": CheckpointWrapper, "compiled": torch._dynamo.OptimizedModule}
-    counts = {name: sum(isinstance(m, cls) for m in model.modules()) for name, cls in kinds.items()}
+    kinds = {"fsdp": FSDPModule, "ddp": DistributedDataParallel, "activation_checkpoint": CheckpointWrapper,
+             "compiled": torch._dynamo.OptimizedModule}  # fmt: skip
+    chunks = getattr(model, "chunks", None) or []  # a pipeline rank's stages: wrapped one by one
+    modules = {id(m): m for root in (model, *chunks) for m in root.modules()}.values()
+    counts = {name: sum(isinstance(m, cls) for m in modules) for name, cls in kinds.items()}
+    counts["pp_stages"] = len(chunks)  # the pipeline stages this rank runs
+    counts["params_held"] = len(list(model.parameters()))  # this rank's (rank 0's) parameter tensors
     # parameters FSDP all-gathers in fp8: their local shard is torchao's float8-cast weight
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
     counts["fp8_all_gather_params"] = sum(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in local)

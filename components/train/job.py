@@ -28,6 +28,7 @@ from components.train.monitor import Monitor, Watchdog
 from components.train.nonfinite import clean_name
 from components.train.optim import build_optimizer
 from components.train.parallel import ParallelDims, parallelize
+from components.train.pipeline_parallel import Pipeline
 from components.train.prometheus import exporter_for
 from components.train.spec import TrainSpec
 from components.worker_side import REPORT_CONTEXT
@@ -85,6 +86,7 @@ class Job:
     sdc_blamed: set = field(default_factory=set)  # the ranks an SDC check blamed in this launch
     sdc_reproduced: set = field(default_factory=set)  # steps whose gradient outlier reproduced on replay
     on_step: list = field(default_factory=list)  # callables(step), run as each step starts
+    pipeline: Pipeline | None = None  # the schedule over this rank's stages, under train.pp > 1
     forward_dtypes: dict = field(default_factory=dict)  # dtypes seen inside a forward (mixed precision's effect)
 
     @property
@@ -171,6 +173,7 @@ def build_job(spec: TrainSpec) -> Job:
         flops_per_token=n_flops,
         float8_modules=float8,
         guards=Guards(train),
+        pipeline=Pipeline.of(model, train, device),
         grad_norms=LocalGradNorms(model if train.sdc_interval > 0 else None, world),
     )
 
@@ -190,6 +193,10 @@ def build_checkpointer(spec: TrainSpec, train: TrainConfig, store: ArtifactStore
 
 
 def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's mean token loss (under pipeline parallelism forward only, through
+    every stage: a collective of the pipeline's ranks)."""
+    if job.pipeline is not None:
+        return job.pipeline.loss(batch)
     with job.recipe.autocast(job.device, job.fsdp):
         logits = job.model(input_ids=batch[:, :-1]).logits
     return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())

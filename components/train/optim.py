@@ -39,20 +39,27 @@ def clip_and_step(
     optimizer: torch.optim.Optimizer,
     max_norm: float,
     scaler: torch.amp.GradScaler | None,
+    pp_group=None,
 ) -> tuple[float, bool]:
     """Unscale (if scaling), clip the global grad norm, step if every gradient is finite.
 
     Returns (grad norm of the unscaled gradients, whether the optimizer stepped).
-    With a scaler, a non-finite step backs the scale off instead of stepping.
+    With a scaler, a non-finite step backs the scale off instead of stepping. Under pipeline
+    parallelism a rank holds only its stages' gradients: the norm is summed over `pp_group`.
     """
+    import torch.distributed as dist
+
     if scaler is not None:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if pp_group is not None:  # the norm over every stage: the root of the summed squares
+        squares = norm.double() ** 2
+        dist.all_reduce(squares, group=pp_group)
+        norm = squares.sqrt().to(norm.dtype)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     finite = bool(torch.isfinite(norm))
     if scaler is not None:
         scale_before = scaler.get_scale()

@@ -1,6 +1,7 @@
 """The world's layout (`ParallelDims`, one DeviceMesh) and the one place that applies it:
-tensor parallelism (components/train/tensor_parallel.py), then DDP (default), FSDP2
-`fully_shard`, or HSDP (`fully_shard` on the (dp_replicate, dp_shard) dimensions); and compile."""
+pipeline stages (components/train/pipeline_parallel.py) or tensor parallelism
+(components/train/tensor_parallel.py), then DDP (default), FSDP2 `fully_shard`, or HSDP
+(`fully_shard` on the (dp_replicate, dp_shard) dimensions); and compile."""
 
 from __future__ import annotations
 
@@ -18,42 +19,48 @@ def apply_compile(model: torch.nn.Module) -> None:
     """torch.compile each transformer block (as torchtitan): identical blocks share one
     compiled graph, and a graph break stays inside one block."""
     blocks = transformer_blocks(model)
-    for i in range(len(blocks)):
-        blocks[i] = torch.compile(blocks[i], fullgraph=True)
+    for key, block in list(blocks.named_children()):
+        setattr(blocks, key, torch.compile(block, fullgraph=True))
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The layout of the world: `tp` consecutive ranks split each block's matmuls; the
-    world / tp data-parallel ranks are DDP replicas, or FSDP shard groups of `dp_shard` ranks
-    repeated `dp_replicate` times (HSDP). Rank r is data-parallel rank r // tp, tp rank r % tp."""
+    """The layout of the world: `pp` pipeline ranks (outermost: a stage's ranks are
+    consecutive, a node's GPUs), each of world / pp ranks; in them `tp` consecutive ranks split
+    each block's matmuls; the dp = world / (pp x tp) data-parallel ranks are DDP replicas, or
+    FSDP shard groups of `dp_shard` ranks repeated `dp_replicate` times (HSDP). Rank r is
+    pipeline rank r // (dp x tp), data-parallel rank (r // tp) % dp, tp rank r % tp."""
 
     world: int
     tp: int = 1
     dp_replicate: int = 1
     fsdp: bool = False
+    pp: int = 1
 
     @classmethod
     def of(cls, train, world: int) -> ParallelDims:
-        return cls(world, train.tp, train.dp_replicate, train.parallelism == Parallelism.fsdp)
+        return cls(world, train.tp, train.dp_replicate, train.parallelism == Parallelism.fsdp, train.pp)
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
     @property
     def dp_shard(self) -> int:
         return self.dp // self.dp_replicate if self.fsdp else 1
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return (rank // self.tp) % self.dp
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // (self.dp * self.tp)
 
     def mesh(self, device: torch.device):
-        """One DeviceMesh over the world, a dimension per degree above 1 (dp_replicate,
+        """One DeviceMesh over the world, a dimension per degree above 1 (pp, dp_replicate,
         dp_shard, tp, outermost first), or None for one process."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        dims = [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
+        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
         dims = [(name, n) for name, n in dims if n > 1]
         if not dims:
             return None
@@ -62,10 +69,13 @@ class ParallelDims:
 
 def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch.device, precision: Recipe):
     """The one place a layout is applied, in torchtitan's order, to a model whose precision
-    conversion is done: TP -> activation checkpointing -> compile -> FSDP2 / HSDP or DDP."""
+    conversion is done: PP split or TP -> activation checkpointing -> compile -> FSDP2 / HSDP
+    or DDP. Under pipeline parallelism it returns this rank's `PipelineRank`."""
     from components.train.activation_checkpoint import apply_activation_checkpointing
 
     mesh = dims.mesh(device)
+    if dims.pp > 1:
+        return pipeline_rank(model, train, dims, device, precision, mesh)
     if dims.tp > 1:
         from components.train.tensor_parallel import apply_tp
 
@@ -77,9 +87,34 @@ def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch
     return wrap(model, dims, device, precision, mesh)
 
 
+def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: torch.device, precision: Recipe, mesh):
+    """Cut the model into this rank's pipeline stages; checkpoint, compile and wrap each
+    (FSDP2 / DDP over the data-parallel dimensions); gather them under one module."""
+    from components.train.activation_checkpoint import apply_activation_checkpointing
+    from components.train.pipeline_parallel import PipelineRank, build_stages, stages_per_rank
+
+    if dims.tp > 1:
+        raise ValueError("train.pp > 1 with train.tp > 1 is not built: choose one of them")
+    sharded = dims.fsdp and dims.dp > 1
+    pp_rank = mesh["pp"].get_local_rank()
+    chunks, ids = build_stages(model, pp_rank, dims.pp, train.pp_schedule, lambda: precision.autocast(device, sharded))
+    wrapped = []
+    for chunk in chunks:
+        if train.activation_checkpointing:
+            apply_activation_checkpointing(chunk, train.ac_every_n_blocks)
+        if train.compile if train.compile is not None else device.type == "cuda":
+            apply_compile(chunk)
+        wrapped.append(wrap(chunk, dims, device, precision, mesh))
+    rank_module = PipelineRank(model, wrapped, ids, dims.pp * stages_per_rank(train.pp_schedule))
+    rank_module.pp_mesh = mesh["pp"]
+    return rank_module
+
+
 def wrap(model: torch.nn.Module, dims: ParallelDims, device: torch.device, precision: Recipe, mesh=None):
     """Data parallelism: FSDP2 / HSDP over the data-parallel mesh dimensions, or DDP over the
-    world (only where no dimension is tensor-parallel: DDP does not replicate DTensors)."""
+    world (only where no dimension is tensor- or pipeline-parallel: DDP does not replicate
+    DTensors, and its bucket order breaks when a schedule runs several forwards before a
+    backward; torchtitan refuses DDP beside other dimensions too)."""
     mesh = mesh if mesh is not None else dims.mesh(device)
     if dims.fsdp and dims.dp > 1:
         from torch.distributed.fsdp import fully_shard
@@ -88,10 +123,11 @@ def wrap(model: torch.nn.Module, dims: ParallelDims, device: torch.device, preci
         kwargs = {"mesh": mesh[names] if len(names) > 1 else mesh[names[0]]}
         if (policy := precision.fsdp_mp_policy()) is not None:
             kwargs["mp_policy"] = policy
-        for block in transformer_blocks(model):
+        for block in transformer_blocks(model).values() if dims.pp > 1 else transformer_blocks(model):
             fully_shard(block, **kwargs)
         # the root's parameters (embeddings, final norm, head) are needed again right at the
-        # start of backward: keep them unsharded after forward
+        # start of backward: keep them unsharded after forward (a pipeline stage's too: the
+        # schedule runs many micro-batches through it before its last backward)
         fully_shard(model, reshard_after_forward=False, **kwargs)
         return model
     if dims.dp == 1:
@@ -99,6 +135,9 @@ def wrap(model: torch.nn.Module, dims: ParallelDims, device: torch.device, preci
     if dims.tp > 1:
         raise ValueError(f"train.tp={dims.tp} with {dims.dp} DDP replicas: use train.parallelism=fsdp")
     from torch.nn.parallel import DistributedDataParallel
+
+    if dims.pp > 1:
+        raise ValueError(f"train.pp={dims.pp} with {dims.dp} DDP replicas: use train.parallelism=fsdp")
 
     # Buffers (rotary frequencies) are identical constants on every rank: broadcasting them
     # each forward would add a collective to the forward pass. Gradients are views into the
@@ -116,6 +155,8 @@ def gradient_sync(model: torch.nn.Module, last: bool, fsdp_every_microbatch: boo
     its gradients are whole on every rank anyway). FSDP2 reduce-scatters after every micro-batch
     when `fsdp_every_microbatch`, so what accumulates is each rank's gradient shard; otherwise
     it syncs the last only (`set_requires_gradient_sync`), keeping unsharded fp32 gradients."""
+    if getattr(model, "chunks", None) is not None:
+        return contextlib.nullcontext()  # the pipeline schedule syncs its stages itself
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last or fsdp_every_microbatch)
         return contextlib.nullcontext()

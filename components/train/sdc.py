@@ -211,7 +211,7 @@ def _replay(job: Job, state: TrainState, kind: str, why: str, **suspect) -> bool
 def check(job: Job, state: TrainState, stepped: bool = True) -> bool:
     """Compare the replicas' weights after this step; True when they agree (the step may be
     committed), False when the run rewound (the loop goes on from the checkpoint's step)."""
-    if job.fsdp or job.dims.tp > 1 or job.world == 1:  # no whole replicas to compare
+    if job.fsdp or job.dims.tp > 1 or job.dims.pp > 1 or job.world == 1:  # no whole replicas to compare
         return True
     step, names = state.step, [clean_name(n) for n, _ in job.model.named_parameters()]
     now, norms = _gather(job, step)

@@ -52,6 +52,8 @@ NOT_IDENTITY = {
     "fsdp_sync_every_microbatch",  # the reduction order, as the world size: rounding, not the math
     "dp_replicate",  # HSDP's layout, as the world size
     "tp",  # tensor parallelism's layout: DCP reshards its checkpoints into any other
+    "pp",  # pipeline parallelism's layout, as tp: a stage saves the full model's names
+    "pp_schedule",  # the order micro-batches run in: the same averaged gradient
     "activation_checkpointing",
     "ac_every_n_blocks",
     "metrics_port",

@@ -62,6 +62,7 @@ def train_step(job: Job, state: TrainState) -> dict:
     accum, forward, data_s = job.train.grad_accum_steps, DeviceTimer(job.device), 0.0
     loss_sum = torch.zeros((), device=job.device)
     first_batch = None  # replayed to name the culprit module if the step turns out non-finite
+    pipelined = []  # under pipeline parallelism: the step's micro-batches, run by the schedule
     for micro in range(accum):
         t_data = time.perf_counter()
         state.samples = past_skipped(state.samples, job.sampler.samples_per_micro_batch, state.skip_windows)
@@ -69,11 +70,17 @@ def train_step(job: Job, state: TrainState) -> dict:
         data_s += time.perf_counter() - t_data
         first_batch = batch if first_batch is None else first_batch
         state.samples += job.sampler.samples_per_micro_batch
+        if job.pipeline is not None:
+            pipelined.append(batch)
+            continue
         with gradient_sync(job.model, micro == accum - 1, job.train.fsdp_sync_every_microbatch):
             with forward:
                 loss = micro_loss(job, batch) / accum
             (job.scaler.scale(loss) if job.scaler is not None else loss).backward()
         loss_sum += loss.detach()
+    if pipelined:  # forward and backward of every micro-batch through the stages
+        with forward:
+            loss_sum = job.pipeline.step(torch.cat(pipelined)) / accum
 
     # all ranks agree on the loss and on whether every rank's async checkpoint is on disk
     t_comm = time.perf_counter()
@@ -83,14 +90,15 @@ def train_step(job: Job, state: TrainState) -> dict:
         dist.all_reduce(loss_and_pending)
     loss_total, pending_ranks = loss_and_pending.tolist()
     comm_s = time.perf_counter() - t_comm
-    step_loss = loss_total / job.world
+    step_loss = loss_total / (job.world // job.dims.pp)  # every rank of the last stage holds a loss
 
     t_opt = time.perf_counter()
     set_lr(job.optimizer, lr_at(state.step - 1, job.train))
     # every rank has the same all-reduced loss and recent losses, so all take one branch
     finding = job.guards.judge(step_loss)
     if finding is None or finding.apply:
-        grad_norm, stepped = clip_and_step(job.model, job.optimizer, job.train.grad_clip, job.scaler)
+        pp_group = job.pipeline.group if job.pipeline is not None else None
+        grad_norm, stepped = clip_and_step(job.model, job.optimizer, job.train.grad_clip, job.scaler, pp_group)
         job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)
     else:  # dropped before the optimizer, whatever the gradients look like
         job.optimizer.zero_grad(set_to_none=True)

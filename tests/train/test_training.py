@@ -112,6 +112,18 @@ def final_weights(run) -> dict[str, torch.Tensor]:
     return load_file(str(run.export / "model.safetensors"))
 
 
+def assert_trains_like(one, others, steps: int = 10, tol: float = 1e-4) -> None:
+    """Each of `others` trained `one`'s losses (relative) and exported its weights within `tol`."""
+    losses = [[r["loss"] for r in read_records(run.metrics)[0]] for run in (one, *others)]
+    assert [len(x) for x in losses] == [steps] * len(losses)
+    for other in losses[1:]:
+        assert all(abs(a - b) <= tol * abs(a) for a, b in zip(losses[0], other, strict=True)), losses
+    a = final_weights(one)
+    for run in others:
+        b = final_weights(run)
+        assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < tol
+
+
 # the FSDP + fp8 + activation checkpointing + compile variant (2.5 min on 2 cores, three compiles)
 # is in the chaos suite: tests/chaos/test_faults.py, `make chaos`
 FSDP_FP8_AC_COMPILE = [
@@ -456,15 +468,7 @@ def test_tensor_parallel_trains_the_losses_and_weights_of_one_process(trainer):
     assert tp.result.wrapped_modules["tp_params"] == split and tp.result.wrapped_modules["fsdp"] == 0
     assert tp_fsdp.result.wrapped_modules["tp_params"] == split and tp_fsdp.result.wrapped_modules["fsdp"] == 3
     assert one.result.wrapped_modules["tp_params"] == 0
-    runs = (one, tp, tp_fsdp)
-    losses = [[r["loss"] for r in read_records(run.metrics)[0]] for run in runs]
-    assert [len(x) for x in losses] == [10, 10, 10]
-    for other in losses[1:]:
-        assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(losses[0], other, strict=True)), losses
-    a = final_weights(one)
-    for run in runs[1:]:
-        b = final_weights(run)
-        assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
+    assert_trains_like(one, (tp, tp_fsdp))
 
 
 def test_fp8_tensor_parallel_splits_float8_linear_weights_over_tp(trainer):
