@@ -27,6 +27,20 @@ def param_tensors(model: ModelConfig) -> list[tuple[str, int, bool]]:
     return out
 
 
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """Pipeline parallelism's cut: consecutive blocks per stage, as even as they go (earlier
+    stages take the remainder). The trainer's stages and the planner's both come from here."""
+    if num_layers < stages:
+        raise ValueError(f"{num_layers} blocks cannot fill {stages} pipeline stages (train.pp x stages per rank)")
+    base, extra = divmod(num_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = base + (s < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
 def flops_per_token(cfg: ModelConfig, n_params_no_embed: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus
     12·L·H·Q·T for attention scores and values (L layers, H heads, Q head dim, T seq len),

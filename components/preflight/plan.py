@@ -63,6 +63,17 @@ h = hidden, L = layers, a = heads):
   per checkpointed block's recompute), the head's logits all-gather and its input-gradient
   all-reduce, over the tp group's bus bandwidth (NVLink: the group is T consecutive ranks of
   one node).
+- Pipeline parallelism (`train.pp` = P, v stages per rank: 1, interleaved 2; m =
+  `grad_accum_steps` micro-batches; the data-parallel world is W/(T·P)): the blocks cut as
+  the trainer cuts them (`model_math.stage_layers`), pipeline rank r holding stages r + k·P,
+  the embeddings on rank 0, the final norm and head on rank P-1; the plan is the larger of the
+  two end ranks. Activations: each of rank r's stages keeps the micro-batches it has run
+  forward and not yet backward, at most min(m, P-r) under 1F1B (the last stage 1), m under
+  GPipe, and under interleaved 1F1B the warm-up torch's schedule runs, (v-1)·m/rounds +
+  2(P-1-r) + 1 stage-micro-batches (rounds = max(1, m // P)). Compute per device is 1/P of a
+  data-parallel rank's, times the bubble (m·v + P - 1)/(m·v); each rank sends, per
+  micro-batch and stage it holds, its output activations forward and its input gradient
+  backward (T·h each at the compute dtype) over the network (P spans nodes).
 """
 
 from __future__ import annotations
@@ -70,7 +81,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from components.config import ModelConfig, Parallelism, TrainConfig
-from components.model_math import host_memory_bytes, mfu, param_tensors, planned_flops_per_token
+from components.config.bounds import PIPELINE_SCHEDULES
+from components.model_math import host_memory_bytes, mfu, param_tensors, planned_flops_per_token, stage_layers
 from components.precision import Recipe, recipe
 
 GB = 1e9
@@ -129,7 +141,9 @@ def weight_copies(
     return root + blocks * (layers - kept + (1 if recompute else 0)) / layers
 
 
-def activation_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, recompute: bool = True) -> float:
+def activation_bytes(
+    model: ModelConfig, train: TrainConfig, seq_len: int, recompute: bool = True, head_too: bool = True
+) -> float:
     """Bytes saved for backward by one micro-batch's forward, per device; with activation
     checkpointing plus (if `recompute`) one block's activations live during its recompute.
     Under tensor parallelism (`train.tp`) what attention and the MLP save splits with the
@@ -142,11 +156,71 @@ def activation_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, recom
     whole = whole_h * h + 8  # the residual stream and the norms: whole on every tp rank
     heads = split_h * h + per_kv * kv + per_ffn * f + 4 * a  # attention's and the MLP's: split with them
     block = tokens * (whole + heads / tp)
-    head = tokens * (4 * (model.vocab_size or 0) + precision.head_bytes_per_hidden * h + 36)
+    head = tokens * (4 * (model.vocab_size or 0) + precision.head_bytes_per_hidden * h + 36) if head_too else 0.0
     if not train.activation_checkpointing:
         return L * block + head
     kept = -(-L // train.ac_every_n_blocks)  # checkpointed blocks keep their fp32 input only
     return kept * tokens * 4 * h + (L - kept) * block + head + (block if recompute else 0.0)
+
+
+def in_flight(schedule: str, pp: int, micro: int, rank: int) -> int:
+    """Stage-micro-batches pipeline rank `rank` has run forward and not yet backward at its peak."""
+    if schedule == "gpipe":
+        return micro * PIPELINE_SCHEDULES[schedule]
+    if PIPELINE_SCHEDULES[schedule] == 1:
+        return min(micro, pp - rank)
+    v, rounds = PIPELINE_SCHEDULES[schedule], max(1, micro // pp)
+    return min(micro * v, (v - 1) * (micro // rounds) + 2 * (pp - 1 - rank) + 1)
+
+
+@dataclass(frozen=True)
+class PipelineShare:
+    """What one pipeline rank holds: its blocks, whether it has the embeddings (rank 0) and
+    the final norm and head (the last), and its stage-micro-batches in flight."""
+
+    rank: int
+    layers: int
+    first: bool
+    last: bool
+    in_flight: int
+
+
+def pipeline_shares(model: ModelConfig, train: TrainConfig) -> list[PipelineShare]:
+    """The two end ranks of the pipeline (one process when train.pp is 1): whichever holds more."""
+    pp, v = train.pp, PIPELINE_SCHEDULES.get(train.pp_schedule, 1)
+    if pp == 1:
+        return [PipelineShare(0, model.num_layers, True, True, 1)]
+    stages = stage_layers(model.num_layers, pp * v)
+    shares = []
+    for r in sorted({0, pp - 1}):
+        layers = sum(len(stages[s]) for s in range(r, pp * v, pp))
+        shares.append(
+            PipelineShare(r, layers, r == 0, r == pp - 1, in_flight(train.pp_schedule, pp, train.grad_accum_steps, r))
+        )
+    return shares
+
+
+def pipeline_activations(model: ModelConfig, train: TrainConfig, seq_len: int, share: PipelineShare) -> float:
+    """A pipeline rank's saved activations at its peak: its stage-micro-batches in flight,
+    each one stage's blocks' worth; the head's on the last rank (once under 1F1B: it runs
+    backward right after forward; with every micro-batch under GPipe); plus one block live
+    in its recompute under activation checkpointing."""
+    v = PIPELINE_SCHEDULES[train.pp_schedule]
+    mine = ModelConfig(**{**asdict(model), "num_layers": share.layers})
+    blocks = activation_bytes(mine, train, seq_len, recompute=False, head_too=False)
+    recompute = activation_bytes(mine, train, seq_len, head_too=False) - blocks
+    head = activation_bytes(ModelConfig(**{**asdict(model), "num_layers": 0}), train, seq_len, recompute=False)
+    heads = (train.grad_accum_steps if train.pp_schedule == "gpipe" else 1) * head if share.last else 0.0
+    return share.in_flight * blocks / v + heads + recompute
+
+
+def pipeline_local(tensors: list[tuple[str, int, bool]], model: ModelConfig, share: PipelineShare) -> list:
+    """The parameter tensors of one pipeline rank: its blocks' (all blocks alike), the
+    embeddings on the first, the final norm and the head on the last."""
+    per_block = sum(kind in ("linear", "block_norm") for kind, _, _ in tensors) // model.num_layers
+    blocks = [t for t in tensors if t[0] in ("linear", "block_norm")][: share.layers * per_block]
+    ends = [t for t in tensors if (t[0] == "embed" and share.first) or (t[0] in ("norm", "lm_head") and share.last)]
+    return ends + blocks
 
 
 def checkpointed_blocks(model: ModelConfig, train: TrainConfig) -> int:
@@ -201,17 +275,26 @@ def plan(
     busbw_gbps: float | None = None,
     replicate_busbw_gbps: float | None = None,
     tp_busbw_gbps: float | None = None,
+    pp_busbw_gbps: float | None = None,
 ) -> Plan:
     """`busbw_gbps`: the bus bandwidth of the data-parallel group (for HSDP, of a shard group);
     `replicate_busbw_gbps`: HSDP's across its replicas; `tp_busbw_gbps`: a tp group's (None:
-    the data-parallel group's)."""
+    the data-parallel group's); `pp_busbw_gbps`: between pipeline stages (None: HSDP's, the
+    network's). Under pipeline parallelism, the plan of the end rank that holds more."""
     if vocab_size is not None and model.vocab_size is None:
         model = ModelConfig(**{**asdict(model), "vocab_size": vocab_size})
-    tp = train.tp
+    bw = (tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps, tp_busbw_gbps, pp_busbw_gbps)
+    plans = [_plan_rank(model, train, world, seq_len, share, *bw) for share in pipeline_shares(model, train)]
+    return max(plans, key=lambda p: p.total_gb)
+
+
+def _plan_rank(model, train, world, seq_len, share, tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps,
+               tp_busbw_gbps, pp_busbw_gbps) -> Plan:  # fmt: skip
+    tp, pp = train.tp, train.pp
     full = param_tensors(model)
-    tensors = tp_local(full, tp)  # what one tp rank holds
+    tensors = tp_local(pipeline_local(full, model, share), tp)  # what one tp rank of this pipeline rank holds
     n = sum(t[1] for t in tensors)
-    dp = world // tp  # the data-parallel world
+    dp = world // (tp * pp)  # the data-parallel world
     sharded = train.parallelism == Parallelism.fsdp and dp > 1
     replicas = train.dp_replicate if sharded else 1  # HSDP: shard groups of dp / dp_replicate ranks
     shard = dp // replicas if sharded else 1
@@ -221,8 +304,8 @@ def plan(
         grads += 4 * n  # with gradient sync off between micro-batches FSDP2 keeps unsharded fp32 grads
     optimizer = (8 * n + 4 * len(tensors)) / shard
     precision = recipe(train.precision)
-    copies = weight_copies(tensors, model.num_layers, precision, train, sharded)
-    acts = activation_bytes(model, train, seq_len)
+    copies = weight_copies(tensors, share.layers, precision, train, sharded)
+    acts = pipeline_activations(model, train, seq_len, share) if pp > 1 else activation_bytes(model, train, seq_len)
     if world == 1:  # no DDP buckets: gradients are freed after each step and fill in as backward frees activations
         total = weights + optimizer + copies + max(grads, acts)
     else:
@@ -235,7 +318,9 @@ def plan(
     step = compute = comm = tps = utilization = None
     if tflops:
         tokens_per_replica = b * train.grad_accum_steps * s  # what one data-parallel rank (its tp ranks) reads
-        compute = (fpt + recompute) * tokens_per_replica / tp / (tflops * 1e12)
+        micro_stages = train.grad_accum_steps * PIPELINE_SCHEDULES.get(train.pp_schedule, 1)
+        bubble = (micro_stages + pp - 1) / micro_stages if pp > 1 else 1.0  # idle while the pipeline fills, drains
+        compute = (fpt + recompute) * tokens_per_replica / tp / pp * bubble / (tflops * 1e12)
         comm = 0.0
         if dp > 1 and busbw_gbps:  # without a bus bandwidth, communication is left out
             group = shard if sharded else dp
@@ -246,6 +331,10 @@ def plan(
         if tp > 1 and (tp_busbw_gbps or busbw_gbps):
             tp_bw = (tp_busbw_gbps or busbw_gbps) * GB
             comm += tp_comm_bytes(model, train, s, precision) * (tp - 1) / tp / tp_bw
+        if pp > 1 and (pp_bw := pp_busbw_gbps or replicate_busbw_gbps or busbw_gbps):
+            c = 4 if precision.compute_dtype == "float32" else 2
+            sends = 2 * micro_stages * b * s * h * c / tp  # activations forward, their gradients backward
+            comm += sends / (pp_bw * GB)
         step = compute + comm
         tps = tokens_per_replica * dp / step
         utilization = mfu(tps, fpt, peak_tflops or tflops, world)

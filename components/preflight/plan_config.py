@@ -93,14 +93,14 @@ def tp_group_busbw(train, cluster) -> float | None:
 def shard_group_busbw(cfg, d: PlanDevice) -> float | None:
     """The bus bandwidth FSDP's collectives see: the world's, or for HSDP a shard group's
     (consecutive ranks: within one node when it spans procs_per_node ranks or fewer, its tp
-    ranks included)."""
+    ranks included; under pipeline parallelism, a stage's)."""
     from components.devices import busbw_gbps, device
 
     t, c = cfg.train, cfg.cluster
     spec = device(cfg.cluster.gpu_type) if cfg.cluster.gpu_type else None
-    if t.parallelism != Parallelism.fsdp or t.dp_replicate == 1 or spec is None or d.busbw_gbps is None:
+    if t.parallelism != Parallelism.fsdp or (t.dp_replicate == 1 and t.pp == 1) or spec is None or d.busbw_gbps is None:
         return d.busbw_gbps
-    span = c.nodes * c.procs_per_node // t.dp_replicate  # a shard group's dp ranks x their tp ranks
+    span = c.nodes * c.procs_per_node // t.dp_replicate // t.pp  # a shard group's dp ranks x their tp ranks
     return busbw_gbps(spec, -(-span // c.procs_per_node))
 
 

@@ -54,7 +54,9 @@ def seq_len_source(overrides: list[str], choices: Mapping[str, str | None]) -> s
 
 def global_batch(cfg) -> int:
     world = cfg.cluster.nodes * cfg.cluster.procs_per_node
-    return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * (world // cfg.train.tp)  # data-parallel ranks
+    return (
+        cfg.train.micro_batch_size * cfg.train.grad_accum_steps * (world // (cfg.train.tp * cfg.train.pp))
+    )  # dp ranks
 
 
 def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
@@ -70,7 +72,7 @@ def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
         ("world size", f"{p.world} ({c.nodes} nodes x {c.procs_per_node} procs)"),
         ("global batch", f"{global_batch(cfg):,} sequences, {global_batch(cfg) * cfg.data.seq_len:,} tokens"),
         ("precision", f"{t.precision.value}{fp8}"),
-        ("parallelism", t.parallelism.value + _hsdp(t, p.world) + _tp(t, p.world)),
+        ("parallelism", t.parallelism.value + _hsdp(t, p.world) + _tp(t, p.world) + _pp(t, p.world)),
         ("activation ckpt", ac),
         ("device", d.name),
         ("device memory", f"{d.memory_gb:.1f} GB: {d.memory_source}"),
@@ -83,14 +85,21 @@ def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
 def _hsdp(t, world: int) -> str:
     if t.parallelism.value != "fsdp" or t.dp_replicate == 1:
         return ""
-    shard = world // t.tp // t.dp_replicate
+    shard = world // t.tp // t.pp // t.dp_replicate
     return f" (HSDP: {t.dp_replicate} replicas x {shard}-rank shard groups, train.dp_replicate)"
 
 
 def _tp(t, world: int) -> str:
     if t.tp == 1:
         return ""
-    return f" x tensor parallel {t.tp} (train.tp; {world // t.tp} data-parallel ranks)"
+    return f" x tensor parallel {t.tp} (train.tp; {world // t.tp // t.pp} data-parallel ranks)"
+
+
+def _pp(t, world: int) -> str:
+    if t.pp == 1:
+        return ""
+    return (f" x pipeline parallel {t.pp} (train.pp, {t.pp_schedule}, {t.grad_accum_steps} micro-batches;"
+            f" {world // t.tp // t.pp} data-parallel ranks; the larger end stage planned)")  # fmt: skip
 
 
 def _sync(t) -> str:

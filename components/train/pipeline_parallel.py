@@ -31,25 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from components.config import PIPELINE_SCHEDULES
+from components.model_math import stage_layers
 
 SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}  # pipelining's names
 
 
 def stages_per_rank(schedule: str) -> int:
     return PIPELINE_SCHEDULES[schedule]
-
-
-def stage_layers(num_layers: int, stages: int) -> list[range]:
-    """Consecutive blocks per stage, as even as they go (earlier stages take the remainder)."""
-    if num_layers < stages:
-        raise ValueError(f"{num_layers} blocks cannot fill {stages} pipeline stages (train.pp x stages per rank)")
-    base, extra = divmod(num_layers, stages)
-    out, start = [], 0
-    for s in range(stages):
-        n = base + (s < extra)
-        out.append(range(start, start + n))
-        start += n
-    return out
 
 
 class StageChunk(nn.Module):

@@ -61,7 +61,7 @@ def check_inputs(
             f"the dataset's blocks hold seq_len={stats['seq_len']} tokens, more than "
             f"model.max_seq_len={model.max_seq_len}"
         )
-    world = cluster.nodes * cluster.procs_per_node // train.tp  # the data-parallel ranks read distinct blocks
+    world = cluster.nodes * cluster.procs_per_node // (train.tp * train.pp)  # data-parallel ranks read distinct blocks
     per_step = train.micro_batch_size * train.grad_accum_steps * world
     n_blocks = stats["splits"]["train"]["blocks"]
     if n_blocks < per_step:

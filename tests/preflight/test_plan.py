@@ -350,3 +350,38 @@ def test_tensor_parallel_plans_a_share_of_the_compute_and_the_activation_all_red
     assert tp.weights_gb < ddp.weights_gb / 6 and tp.params == ddp.params
     assert tp.compute_s == pytest.approx(ddp.compute_s, rel=1e-9)  # same tokens per device, same FLOPs
     assert tp.comm_s > 0 and tp.mfu <= d.efficiency and tp.tokens_per_s <= ddp.tokens_per_s * 1.5
+
+
+def test_a_pipeline_ranks_planned_weights_are_what_its_live_stages_hold():
+    """PP=2 (1F1B and interleaved) of a 5-block model cut by the trainer's own `build_stages`:
+    the planned fp32 weights are 4 B x the parameters of the end rank holding more (rank 0:
+    the embeddings and its blocks; the last: its blocks, the final norm and the head), exactly."""
+    import contextlib
+
+    from components.train.pipeline_parallel import build_stages
+
+    model_cfg = defaults("model", vocab_size=1024, num_layers=5)
+    model = build_model(model_cfg, 1024, seed=0)
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        held = []
+        for rank in (0, 1):
+            chunks, _ = build_stages(model, rank, 2, schedule, contextlib.nullcontext)
+            held.append(4 * sum(p.numel() for c in chunks for p in c.parameters()))
+        assert held[0] != held[1] and sum(held) == 4 * sum(p.numel() for p in model.parameters())
+        train = defaults("train", pp=2, pp_schedule=schedule, grad_accum_steps=4)
+        assert round(plan(model_cfg, train, world=2, seq_len=64).weights_gb * 1e9) == max(held), schedule
+
+
+def test_pipeline_plans_a_stage_per_rank_and_a_bubble_that_more_micro_batches_shrink():
+    """70b on 4 nodes, PP=4 x FSDP (each stage's FSDP group one node): the step has the
+    bubble, so with 4x the micro-batches (the same tokens per micro-batch) tokens/s rises, and
+    interleaving two stages per rank shrinks it further; 1F1B keeps at most 4 micro-batches in
+    flight however many run, and MFU stays under the device's bound."""
+    base = ["model=70b", "cluster=kubernetes", "cluster.nodes=4", "cluster.procs_per_node=8", "data.seq_len=4096",
+            "train.precision=bf16", "train.parallelism=fsdp", "train.micro_batch_size=1", "train.pp=4"]  # fmt: skip
+    few, d = plan_for(_cfg(*base, "train.grad_accum_steps=4"))
+    many, _ = plan_for(_cfg(*base, "train.grad_accum_steps=16"))
+    inter, _ = plan_for(_cfg(*base, "train.grad_accum_steps=16", "train.pp_schedule=interleaved_1f1b"))
+    assert many.tokens_per_s > few.tokens_per_s and inter.tokens_per_s > many.tokens_per_s
+    assert many.activations_gb == pytest.approx(few.activations_gb)  # 4 micro-batches in flight either way
+    assert max(p.mfu for p in (few, many, inter)) <= d.efficiency
