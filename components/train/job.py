@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from components.config import ModelConfig, TrainConfig
 from components.distributed import init_distributed
@@ -28,7 +27,7 @@ from components.train.monitor import Monitor, Watchdog
 from components.train.nonfinite import clean_name
 from components.train.optim import build_optimizer
 from components.train.parallel import ParallelDims, parallelize
-from components.train.pipeline_parallel import Pipeline
+from components.train.pipeline_parallel import Pipeline, token_loss
 from components.train.prometheus import exporter_for
 from components.train.spec import TrainSpec
 from components.worker_side import REPORT_CONTEXT
@@ -199,4 +198,4 @@ def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
         return job.pipeline.loss(batch)
     with job.recipe.autocast(job.device, job.fsdp):
         logits = job.model(input_ids=batch[:, :-1]).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    return token_loss(logits, batch[:, 1:])

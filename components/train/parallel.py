@@ -52,9 +52,6 @@ class ParallelDims:
     def dp_rank(self, rank: int) -> int:
         return (rank // self.tp) % self.dp
 
-    def pp_rank(self, rank: int) -> int:
-        return rank // (self.dp * self.tp)
-
     def mesh(self, device: torch.device):
         """One DeviceMesh over the world, a dimension per degree above 1 (pp, dp_replicate,
         dp_shard, tp, outermost first), or None for one process."""
@@ -89,7 +86,7 @@ def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch
 
 def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: torch.device, precision: Recipe, mesh):
     """Cut the model into this rank's pipeline stages; checkpoint, compile and wrap each
-    (FSDP2 / DDP over the data-parallel dimensions); gather them under one module."""
+    (FSDP2 over the data-parallel dimensions); gather them under one module."""
     from components.train.activation_checkpoint import apply_activation_checkpointing
     from components.train.pipeline_parallel import PipelineRank, build_stages, stages_per_rank
 
@@ -123,7 +120,7 @@ def wrap(model: torch.nn.Module, dims: ParallelDims, device: torch.device, preci
         kwargs = {"mesh": mesh[names] if len(names) > 1 else mesh[names[0]]}
         if (policy := precision.fsdp_mp_policy()) is not None:
             kwargs["mp_policy"] = policy
-        for block in transformer_blocks(model).values() if dims.pp > 1 else transformer_blocks(model):
+        for block in transformer_blocks(model).children():  # a ModuleList, or a stage's ModuleDict
             fully_shard(block, **kwargs)
         # the root's parameters (embeddings, final norm, head) are needed again right at the
         # start of backward: keep them unsharded after forward (a pipeline stage's too: the
@@ -155,8 +152,6 @@ def gradient_sync(model: torch.nn.Module, last: bool, fsdp_every_microbatch: boo
     its gradients are whole on every rank anyway). FSDP2 reduce-scatters after every micro-batch
     when `fsdp_every_microbatch`, so what accumulates is each rank's gradient shard; otherwise
     it syncs the last only (`set_requires_gradient_sync`), keeping unsharded fp32 gradients."""
-    if getattr(model, "chunks", None) is not None:
-        return contextlib.nullcontext()  # the pipeline schedule syncs its stages itself
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last or fsdp_every_microbatch)
         return contextlib.nullcontext()

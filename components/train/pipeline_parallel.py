@@ -10,7 +10,7 @@ Every stage is a `StageChunk` whose parameter names are the full model's (`model
 chunks are gathered under one `PipelineRank` module with those same names, which the optimizer,
 DCP and the export see: a checkpoint saved by any pipeline layout loads into any other, and
 into data parallelism. The chunks are wrapped one by one (activation checkpointing, compile,
-FSDP2 or DDP over the data-parallel mesh) before the schedule drives them.
+FSDP2 over the data-parallel mesh) before the schedule drives them.
 
 A step hands the schedule the data-parallel rank's whole batch (grad_accum_steps
 micro-batches, in the sampler's order); it splits it back into those micro-batches, runs
@@ -22,7 +22,6 @@ with plain sends and receives and return the loss on every rank.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -84,13 +83,12 @@ class PipelineRank(nn.Module):
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict()
         for chunk in chunks:
-            inner = chunk.module if isinstance(chunk, nn.parallel.DistributedDataParallel) else chunk
-            for key, block in inner.model.layers.items():
+            for key, block in chunk.model.layers.items():
                 self.model.layers[key] = block
-            if inner.first:
-                self.model.embed_tokens = inner.model.embed_tokens
-            if inner.last:
-                self.model.norm, self.lm_head = inner.model.norm, inner.lm_head
+            if chunk.first:
+                self.model.embed_tokens = chunk.model.embed_tokens
+            if chunk.last:
+                self.model.norm, self.lm_head = chunk.model.norm, chunk.lm_head
         self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages  # plain attributes
 
     @property
@@ -167,8 +165,7 @@ class Pipeline:
         chunks = dict(zip(self.module.stage_ids, self.module.chunks, strict=True))
         h = inputs
         n = self.module.num_stages
-        grad = torch.is_grad_enabled()
-        with torch.set_grad_enabled(False) if not grad else contextlib.nullcontext():
+        with torch.no_grad():
             for s in range(n):
                 owner, nxt = s % self.pp, (s + 1) % self.pp
                 if owner == self.pp_rank:
