@@ -11,14 +11,16 @@ the directory, and the DCP `.metadata` pickle names nothing but the allowlisted 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -26,6 +28,7 @@ from components.store import InvalidKey, check_relpath, sha256_file
 
 INDEX = "checkpoint.json"
 HISTORY = "history.jsonl"  # the run's metrics.jsonl as of the checkpoint: a fresh pod's curves start at step 1
+SHARD_SUFFIX = ".distcp"  # DCP's data files; everything else in a checkpoint is small
 
 
 class CheckpointError(RuntimeError):
@@ -49,14 +52,38 @@ def own_files(ckpt: Path, rank: int) -> list[str]:
     return sorted(n for n in names if (ckpt / n).is_file())
 
 
-def file_entries(ckpt: Path, names: list[str]) -> dict[str, dict]:
-    """sha256 and size of each file, fsynced first: what the index records."""
+def file_entries(ckpt: Path, names: list[str], block_bytes: int | None = None) -> dict[str, dict]:
+    """sha256 and size of each file, fsynced first: what the index records. With `block_bytes`,
+    a DCP shard file also records the sha256 of each block of that many bytes (the last one
+    shorter), so a rank that reads part of it can fetch and verify only the blocks it reads."""
     entries = {}
     for name in names:
-        with open(ckpt / name, "rb") as f:
+        path = ckpt / name
+        with open(path, "rb") as f:
             os.fsync(f.fileno())
-        entries[name] = {"sha256": sha256_file(ckpt / name), "size": (ckpt / name).stat().st_size}
+        if block_bytes and name.endswith(SHARD_SUFFIX):
+            whole, blocks = block_digests(path, block_bytes)
+            entries[name] = {"sha256": whole, "size": path.stat().st_size, "block_bytes": block_bytes, "blocks": blocks}
+        else:
+            entries[name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
     return entries
+
+
+def block_digests(path: Path, block_bytes: int, piece: int = 1 << 20) -> tuple[str, list[str]]:
+    """The file's sha256 and the sha256 of each `block_bytes` block, in one read."""
+    whole, blocks = hashlib.sha256(), []
+    with open(path, "rb") as f:
+        while True:
+            block, left = hashlib.sha256(), block_bytes
+            while left and (data := f.read(min(piece, left))):
+                whole.update(data)
+                block.update(data)
+                left -= len(data)
+            if left == block_bytes:
+                return whole.hexdigest(), blocks
+            blocks.append(block.hexdigest())
+            if left:
+                return whole.hexdigest(), blocks
 
 
 def index_bytes(files: dict[str, dict], meta: dict) -> bytes:
@@ -179,6 +206,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class ClusteredWriter(FileSystemWriter):
+    """DCP's FileSystemWriter, each rank's file ordered for partial reads: its byte items (DCP
+    writes them first), then its whole tensors smallest first, then its shards. The items a
+    rank of another layout reads from this file (the replicated ones DCP saved once, on
+    whichever rank: param groups, Adam's step counts) then sit in the file's first blocks, so a
+    partial fetch of it costs a block or two instead of one block per scattered scalar."""
+
+    def write_data(self, plan, planner):
+        return super().write_data(replace(plan, items=sorted(plan.items, key=_shared_first)), planner)
+
+
+def _shared_first(item) -> tuple[int, int]:
+    data = item.tensor_data
+    if data is None:  # a byte item
+        return (0, 0)
+    whole = tuple(data.chunk.sizes) == tuple(data.size)
+    return (1, data.chunk.sizes.numel()) if whole else (2, 0)
 
 
 class SafeFileSystemReader(FileSystemReader):

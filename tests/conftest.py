@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import threading
 import uuid
 from pathlib import Path
 
@@ -26,9 +27,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class S3Traffic:
+    """The body bytes the test S3 server sent, per request path: counted in the server between
+    its WSGI app and the socket, so a test sees what a client really downloaded."""
+
+    def __init__(self, app):
+        self.app, self.sent, self.lock = app, {}, threading.Lock()
+
+    def __call__(self, environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        for chunk in self.app(environ, start_response):
+            if environ.get("REQUEST_METHOD") == "GET":
+                with self.lock:
+                    self.sent[path] = self.sent.get(path, 0) + len(chunk)
+            yield chunk
+
+    def under(self, prefix: str) -> dict[str, int]:
+        """Bytes sent per object key under `prefix` ("bucket/key/..."), since the server started."""
+        with self.lock:
+            return {p.lstrip("/"): n for p, n in self.sent.items() if p.lstrip("/").startswith(prefix)}
+
+
 @pytest.fixture(scope="session")
-def s3_endpoint() -> str:
-    """moto's S3 server over real HTTP on 127.0.0.1; never skipped."""
+def s3_server():
+    """moto's S3 server over real HTTP on 127.0.0.1 (never skipped), counting what it sends."""
     import logging
 
     from moto.server import ThreadedMotoServer
@@ -37,8 +59,20 @@ def s3_endpoint() -> str:
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    yield f"127.0.0.1:{port}"
+    traffic = S3Traffic(server._server.app)
+    server._server.app = traffic  # werkzeug's handler calls the server's app for every request
+    yield f"127.0.0.1:{port}", traffic
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(s3_server) -> str:
+    return s3_server[0]
+
+
+@pytest.fixture(scope="session")
+def s3_traffic(s3_server) -> S3Traffic:
+    return s3_server[1]
 
 
 @pytest.fixture

@@ -51,6 +51,7 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "train.seed": ">= 0",  # numpy's SeedSequence takes no negative seed
     "train.checkpoint_interval": ">= 1",
     "train.checkpoint_keep": ">= 1",
+    "train.checkpoint_block_kib": ">= 4",
     "train.log_interval": ">= 1",
     "train.val_interval": (">= 0", "0 disables"),
     "train.max_bad_steps": ">= 1",

@@ -137,6 +137,8 @@ class TrainConfig:
     checkpoint_interval: int = MISSING
     checkpoint_keep: int = MISSING
     checkpoint_async: bool = MISSING
+    # shard files record a sha256 per block this size: a resuming rank fetches and verifies only its blocks
+    checkpoint_block_kib: int = MISSING
     resume: str = MISSING  # auto | never | <checkpoint version>
     run_dir: str = MISSING  # logs, metrics and exports, one subdirectory per training identity
     checkpoint_dir: str | None = MISSING  # None: <run_dir>/<identity>/checkpoints; shared storage in a cluster

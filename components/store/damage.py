@@ -31,22 +31,31 @@ class Damage:
         kept): one line per problem (missing, wrong size, wrong sha256); [] when it verifies."""
         manifest = ref if isinstance(ref, Manifest) else self.manifest(ref)
         prefix = manifest.ref.prefix
+        problems = self.size_problems(manifest)
+        for rel, entry in sorted(manifest.files.items()):
+            key = f"{prefix}/{rel}"
+            if any(p.startswith(f"{key}: ") for p in problems):
+                continue  # missing or of another size: not worth streaming
+            try:
+                got, size = self.backend.digest(key)
+            except NotFound:
+                problems.append(f"{key}: missing")
+                continue
+            if (got, size) != (entry["sha256"], entry["size"]):
+                problems.append(f"{key}: sha256 {got[:12]}, the manifest says {entry['sha256'][:12]}")
+        return sorted(problems)
+
+    def size_problems(self, manifest: Manifest) -> list[str]:
+        """One listing, no bytes read: each of the version's objects that is missing or not at
+        its manifest's size (a truncated or replaced upload); [] when all are there."""
+        prefix = manifest.ref.prefix
         present = self.backend.list_sizes(prefix)
         problems = []
         for rel, entry in sorted(manifest.files.items()):
-            key = f"{prefix}/{rel}"
             if rel not in present:
-                problems.append(f"{key}: missing")
+                problems.append(f"{prefix}/{rel}: missing")
             elif present[rel] != entry["size"]:
-                problems.append(f"{key}: {present[rel]} bytes, the manifest says {entry['size']}")
-            else:
-                try:
-                    got, size = self.backend.digest(key)
-                except NotFound:
-                    problems.append(f"{key}: missing")
-                    continue
-                if (got, size) != (entry["sha256"], entry["size"]):
-                    problems.append(f"{key}: sha256 {got[:12]}, the manifest says {entry['sha256'][:12]}")
+                problems.append(f"{prefix}/{rel}: {present[rel]} bytes, the manifest says {entry['size']}")
         return problems
 
     def quarantine(self, ref: Ref, reason: str) -> dict:

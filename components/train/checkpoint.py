@@ -23,14 +23,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from components.checkpoint_fetch import Ranges, read_ranges
 from components.checkpoint_format import (
     HISTORY,
     INDEX,
     CheckpointError,
+    ClusteredWriter,
     file_entries,
     fsync_dir,
     index_bytes,
@@ -44,6 +45,21 @@ from components.store import ArtifactStore, Ref, StoreError
 from components.store.retention import apply_retention
 
 log = logging.getLogger(__name__)
+
+# The optimizer's state is saved flattened, every entry under its parameter's name (as
+# torchtitan saves it): "optim.state.<fqn>.exp_avg", "optim.param_groups.<fqn>.lr". Nested,
+# the param groups are one list whose `params` name the parameters a rank holds, which differ
+# between pipeline stages: DCP keeps one rank's list and the other stages' loads fail. Named
+# in meta.json; a checkpoint without the name is nested (written before) and loads as it was.
+OPTIM_STATE = "optim_state"
+FLAT = "flat"
+
+
+def state_dicts(model, optimizer, flat: bool = True) -> dict:
+    """The {"model", "optim"} state DCP saves and loads, the optimizer's flattened by name."""
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return {"model": model_sd, "optim": optim_sd}
 
 
 @dataclass
@@ -67,8 +83,10 @@ class Checkpointer:
     and every indexed file is in the store at its size (`publish`, in the background).
     Synchronous saves block until sealed; asynchronous ones only while DCP stages the state."""
 
-    def __init__(self, root: Path, keep: int, async_save: bool, rank: int, target: StoreTarget):
+    def __init__(self, root: Path, keep: int, async_save: bool, rank: int, target: StoreTarget,
+                 block_bytes: int = 64 << 20):  # fmt: skip
         self.root, self.keep, self.async_save, self.rank, self.target = root, keep, async_save, rank, target
+        self.block_bytes = block_bytes  # the shard files' verified unit of a partial fetch (checkpoint_fetch)
         self.local_leader = int(os.environ.get("LOCAL_RANK", "0")) == 0  # renames and prunes this node's dirs
         self.world = dist.get_world_size()
         self._pending: tuple | None = None  # (future, tmp dir, step, meta) of an async save
@@ -84,7 +102,7 @@ class Checkpointer:
         """`history`: rank 0's metrics.jsonl, kept with the checkpoint (a resume on a new pod restores it)."""
         t0 = time.perf_counter()
         try:
-            self._save(step, model, optimizer, meta, rank_state, history)
+            self._save(step, model, optimizer, {**meta, OPTIM_STATE: FLAT}, rank_state, history)
         finally:
             self.seconds["checkpoint_blocking_s"] = time.perf_counter() - t0
 
@@ -96,12 +114,11 @@ class Checkpointer:
         dist.barrier(group=self._pg)
         with self._no_partial(tmp, step):
             tmp.mkdir(parents=True, exist_ok=True)
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
+            state = state_dicts(model, optimizer)
             torch.save(rank_state, tmp / f"rank{self.rank}.pt")
             if history is not None and history.is_file():
                 shutil.copyfile(history, tmp / HISTORY)
-            writer = FileSystemWriter(str(tmp), sync_files=True)
+            writer = ClusteredWriter(str(tmp), sync_files=True)
             if self.async_save:
                 future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
                 self._pending = (future, tmp, step, meta)
@@ -178,7 +195,7 @@ class Checkpointer:
         files), write it on every node, rename. Collectives on the checkpoint group only."""
         if self.rank == 0:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        mine = file_entries(tmp, own_files(tmp, self.rank))
+        mine = file_entries(tmp, own_files(tmp, self.rank), self.block_bytes)
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self._pg)
         files = {name: entry for part in everyone for name, entry in part.items()}
@@ -217,7 +234,9 @@ class Checkpointer:
                 if failed:
                     raise StoreError("; ".join(failed))
                 index = json.loads((final / INDEX).read_text())
-                entries = {**index["files"], **file_entries(final, [INDEX])}
+                # the manifest holds each file's digest and size; the blocks' digests stay in the index
+                files = {name: {"sha256": e["sha256"], "size": e["size"]} for name, e in index["files"].items()}
+                entries = {**files, **file_entries(final, [INDEX])}
                 t.store.commit(ref, entries, metadata=meta, parents=t.parents, same_content=True)
             except Exception as e:
                 self.publish_errors.append(f"{final.name}: {e}")
@@ -253,13 +272,25 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
 
+def planned_reads(model, optimizer, rank: int):
+    """`reads(path)`: the parts of the checkpoint at `path` that loading it into this rank's
+    model and optimizer reads (what resume fetches for this rank)."""
+
+    def reads(path: Path) -> Ranges:
+        meta = json.loads((path / "meta.json").read_text())
+        return read_ranges(state_dicts(model, optimizer, meta.get(OPTIM_STATE) == FLAT), path, rank)
+
+    return reads
+
+
 def load(ckpt: Path, model, optimizer, rank: int) -> dict:
     """Load a verified checkpoint into model and optimizer; returns its meta and this rank's state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    load_state(state, ckpt)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = json.loads((ckpt / "meta.json").read_text())
+    flat = meta.get(OPTIM_STATE) == FLAT
+    state = state_dicts(model, optimizer, flat)
+    load_state(state, ckpt)
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     rank_file = ckpt / f"rank{rank}.pt"
     rank_state = torch.load(rank_file, weights_only=True) if rank_file.is_file() else {}
     return {"meta": meta, "rank_state": rank_state}

@@ -188,7 +188,8 @@ def build_checkpointer(spec: TrainSpec, train: TrainConfig, store: ArtifactStore
     name the training identity, step and content."""
     seed = [] if train.resume in ("auto", "never") else [f"checkpoint/{model_name}@{train.resume}"]
     target = ckpt.StoreTarget(store, model_name, spec.identity, [spec.dataset, *seed])
-    return ckpt.Checkpointer(checkpoint_root(spec), train.checkpoint_keep, train.checkpoint_async, rank, target)
+    block = train.checkpoint_block_kib * 1024
+    return ckpt.Checkpointer(checkpoint_root(spec), train.checkpoint_keep, train.checkpoint_async, rank, target, block)
 
 
 def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """Which checkpoint a run continues from: `train.resume` = auto | never | <version>.
 
 The run's store is the truth. Rank 0 chooses among the store's versions; a node's own
-`step-N/` directory is only a cache of one of them: its files are kept where they match the
-stored version's manifest and fetched where they do not (a directory left by a run against
-another store, or one whose bytes differ, is replaced). A checkpoint only on a node's disk was
-never committed and is never resumed from. A stored version whose bytes do not verify is
-quarantined (never resumed again, never a parent) and the next newest is tried. Every rank
-then loads the same version.
+`step-N/` directory is only a cache of one of them: what it holds is kept where it verifies
+and fetched where it does not (a directory left by a run against another store is replaced).
+Each node fetches only what its ranks load (components/checkpoint_fetch.py): the head, then
+the blocks of the shard files their load plans read. A checkpoint only on a node's disk was
+never committed and is never resumed from. A stored version whose objects are missing or
+resized (one listing), or whose fetched bytes do not verify on any node, is quarantined (never
+resumed again, never a parent) and the next newest is tried. Every rank then loads the same
+version.
 
 `auto` continues only this training identity's checkpoints (the identity includes the
 schedule: steps, warmup, lr, seed, batch...). `<version>` seeds a run with another run's
@@ -18,13 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from components import checkpoint_format as ckpt
+from components.checkpoint_fetch import Ranges, fetch_head, fetch_reads, merge, step_of_manifest
 from components.config import ModelConfig
 from components.store import ArtifactStore, IntegrityError, Manifest, NotFound, Ref, StoreError
 from components.train.prelaunch import ResumeError, check_shape
@@ -41,32 +44,6 @@ class Resumed:
     step: int
 
 
-def _step(manifest: Manifest) -> int | None:
-    step = manifest.metadata.get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
-
-
-def materialize(store: ArtifactStore, root: Path, manifest: Manifest) -> Path:
-    """The stored version complete in `root/step-N`: local files that match its manifest are
-    kept, the rest fetched (sha256-verified); a local directory of other content is replaced."""
-    step = _step(manifest)
-    if step is None:  # it names a directory here
-        bad = manifest.metadata.get("step")
-        raise ckpt.CheckpointError(f"{manifest.ref}: its manifest's step {bad!r} is not a step number")
-    dest = root / f"step-{step}"
-    index = dest / ckpt.INDEX
-    stored_index = manifest.files.get(ckpt.INDEX, {}).get("sha256")
-    if dest.exists() and (not index.is_file() or ckpt.sha256_file(index) != stored_index):
-        log.info("%s on this node is not %s of %s: replacing it", dest.name, manifest.ref, store.description)
-        shutil.rmtree(dest)
-    stale = [p for p in dest.glob("*") if p.is_file() and p.name not in manifest.files]
-    for extra in (p for p in stale if not p.name.startswith(".liftoff")):  # the store's fetch stamp stays
-        extra.unlink()  # e.g. another world size's rank files: DCP must see the stored version only
-    store.fetch(manifest, dest)
-    ckpt.verify(dest)
-    return dest
-
-
 def _quarantine(store: ArtifactStore, manifest: Manifest, why: str) -> None:
     log.warning("stored checkpoint %s does not verify (%s): quarantining it", manifest.ref, why)
     try:
@@ -75,18 +52,27 @@ def _quarantine(store: ArtifactStore, manifest: Manifest, why: str) -> None:
         log.warning("could not quarantine %s: %s", manifest.ref, e)
 
 
-def _newest_stored(store: ArtifactStore, root: Path, model: ModelConfig, identity: str, max_step: int):
-    """The newest stored checkpoint of this identity at or before `max_step` whose bytes verify,
-    complete on this node; damaged ones are quarantined on the way."""
+def _head(store: ArtifactStore, root: Path, manifest: Manifest) -> Path:
+    """The version's head on this node, once a listing shows every object at its size."""
+    if problems := store.size_problems(manifest):
+        raise IntegrityError("; ".join(problems[:3]))
+    return fetch_head(store, root, manifest)
+
+
+def _newest_stored(store: ArtifactStore, root: Path, model: ModelConfig, identity: str, max_step: int, passed: set):
+    """The newest stored checkpoint of this identity at or before `max_step` whose objects are
+    all there and whose head verifies, its head on this node; damaged ones are quarantined on
+    the way. `passed`: versions a node could not fetch this time (not evidence of damage)."""
     try:
         stored = [m for m in store.versions("checkpoint", model.name) if m.metadata.get("identity") == identity]
     except StoreError as e:
         log.warning("cannot list checkpoints in %s: %s", store.description, e)
         return None
-    usable = [m for m in stored if _step(m) is not None and _step(m) <= max_step]
-    for manifest in sorted(usable, key=lambda m: (_step(m), m.created), reverse=True):
+    steps = {str(m.ref): step_of_manifest(m) for m in stored}
+    usable = [m for m in stored if (s := steps[str(m.ref)]) is not None and s <= max_step and str(m.ref) not in passed]
+    for manifest in sorted(usable, key=lambda m: (step_of_manifest(m), m.created), reverse=True):
         try:
-            return manifest, materialize(store, root, manifest)
+            return manifest, _head(store, root, manifest)
         except (IntegrityError, ckpt.CheckpointError) as e:
             _quarantine(store, manifest, str(e))
         except StoreError as e:  # unreachable or gone meanwhile: not evidence of damage
@@ -100,10 +86,11 @@ def _say_local_only(root: Path, identity: str) -> None:
         log.info("ignoring %s on this node: no such version of training %s in the run's store", candidate, identity)
 
 
-def _decide(mode: str, root: Path, store: ArtifactStore, model: ModelConfig, identity: str, max_step: int):
+def _decide(mode: str, root: Path, store: ArtifactStore, model: ModelConfig, identity: str, max_step: int,
+            passed: frozenset = frozenset()):  # fmt: skip
     if mode == "never":
         return None
-    own = _newest_stored(store, root, model, identity, max_step)
+    own = _newest_stored(store, root, model, identity, max_step, set(passed))
     if own is not None or mode == "auto":
         return own
     try:
@@ -113,16 +100,56 @@ def _decide(mode: str, root: Path, store: ArtifactStore, model: ModelConfig, ide
             why = record.get("reason", "")
             raise ResumeError(f"train.resume={mode}: checkpoint/{model.name}@{mode} is quarantined: {why}") from None
         raise ResumeError(f"train.resume={mode}: no checkpoint/{model.name}@{mode} in {store.description}") from None
+    if str(manifest.ref) in passed:
+        raise ResumeError(f"train.resume={mode}: {manifest.ref} could not be fetched from {store.description}")
     try:
-        path = materialize(store, root, manifest)
+        path = _head(store, root, manifest)
     except (IntegrityError, ckpt.CheckpointError) as e:
         _quarantine(store, manifest, str(e))
         raise ResumeError(f"train.resume={mode}: {manifest.ref} does not verify ({e}); it is quarantined") from None
-    meta = ckpt.verify(path)
+    meta = json.loads((path / "meta.json").read_text())
     check_shape(meta, model, f"train.resume={mode}")
     if meta["step"] > max_step:
         raise ResumeError(f"train.resume={mode} is at step {meta['step']}, beyond train.steps={max_step}")
     return manifest, path
+
+
+def _everyone(step: Callable[[], None]) -> tuple:
+    """Run `step` on this rank and gather every rank's failure: (kind, message) with kind
+    "damage" (bytes that do not verify) or "store" (the store failing), or none."""
+    failure = None
+    try:
+        step()
+    except (IntegrityError, ckpt.CheckpointError) as e:
+        failure = ("damage", str(e))
+    except StoreError as e:
+        failure = ("store", str(e))
+    failures: list = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return tuple(f for f in failures if f)
+
+
+def _fetch_this_node(store: ArtifactStore, root: Path, ref: Ref, name: str, rank: int, reads: Callable) -> tuple:
+    """Every node holds the chosen version's head, then what its ranks' load plans read (the
+    node's first rank fetches for all of them). A collective: returns every rank's failure."""
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    path, node = root / name, os.environ.get("GROUP_RANK", "0")
+
+    def head() -> None:
+        if leader and rank != 0:  # rank 0 fetched its node's head while choosing
+            fetch_head(store, root, store.manifest(ref))
+
+    if failures := _everyone(head):
+        return failures
+    plans: list = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, (node, reads(path)))
+
+    def shards() -> None:
+        if leader:
+            fetched = fetch_reads(store, store.manifest(ref), path, merge([r for n, r in plans if n == node]))
+            log.info("node %s fetched %.1f MB of %s", node, fetched / 1e6, ref)
+
+    return _everyone(shards)
 
 
 def find_resume_checkpoint(
@@ -133,22 +160,35 @@ def find_resume_checkpoint(
     identity: str,
     rank: int,
     max_step: int,
+    reads: Callable[[Path], Ranges],
 ) -> Resumed | None:
-    """Rank 0 decides among the store's versions; every node then holds that version complete
-    (fetching what its own disk lacks or holds otherwise) before any rank loads it.
-    Checkpoints beyond `max_step` (train.steps) are never chosen."""
-    choice = [None]
-    if rank == 0:
-        found = _decide(mode, root, store, model, identity, max_step)
-        if found is not None:
-            manifest, path = found
-            choice = [(str(manifest.ref), path.name)]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None
-    ref, name = Ref.parse(choice[0][0]), choice[0][1]
-    path = root / name
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and rank != 0:  # rank 0's node already has it whole
-        path = materialize(store, root, store.manifest(ref))
-    dist.barrier()
-    return Resumed(path, ref, json.loads((path / "meta.json").read_text())["step"])
+    """Rank 0 decides among the store's versions; every node then fetches the part of that
+    version its ranks load (`reads(path)`: a rank's reads, planned against the head there)
+    before any rank loads it. A version a node finds damaged is quarantined by rank 0 and the
+    choice made again. Checkpoints beyond `max_step` (train.steps) are never chosen."""
+    passed: set[str] = set()  # versions some node could not fetch (the store failing): skipped
+    while True:
+        choice: list = [None]
+        if rank == 0:
+            found = _decide(mode, root, store, model, identity, max_step, frozenset(passed))
+            if found is not None:
+                manifest, path = found
+                choice = [(str(manifest.ref), path.name)]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        ref, name = Ref.parse(choice[0][0]), choice[0][1]
+        failures = _fetch_this_node(store, root, ref, name, rank, reads)
+        if not failures:
+            dist.barrier()
+            return Resumed(root / name, ref, json.loads((root / name / "meta.json").read_text())["step"])
+        passed.add(str(ref))  # never chosen again by this choice, quarantined or not
+        if rank == 0:
+            damage = [why for kind, why in failures if kind == "damage"]
+            if not damage:
+                log.warning("skipping stored checkpoint %s: %s", ref, failures[0][1])
+                continue
+            try:
+                _quarantine(store, store.manifest(ref), damage[0])
+            except StoreError as e:
+                log.warning("could not quarantine %s: %s", ref, e)

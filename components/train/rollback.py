@@ -40,7 +40,10 @@ def roll_back(job: Job, state: TrainState, max_step: int, why: str, rewind: bool
     history go back with it; else only the weights and optimizer do."""
     job.checkpointer.wait()  # a save in flight is published (or failed) first
     mode = "auto" if job.train.resume == "never" else job.train.resume
-    target = find_resume_checkpoint(mode, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, max_step)
+    reads = ckpt.planned_reads(job.model, job.optimizer, job.rank)
+    target = find_resume_checkpoint(
+        mode, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, max_step, reads
+    )
     if target is None:
         raise GuardHalt(f"{why}, and no checkpoint at or before step {max_step} to roll back to")
     loaded = ckpt.load(target.path, job.model, job.optimizer, job.rank)

@@ -34,6 +34,7 @@ NOT_IDENTITY = {
     "checkpoint_interval",
     "checkpoint_keep",
     "checkpoint_async",
+    "checkpoint_block_kib",
     "resume",
     "run_dir",
     "log_interval",

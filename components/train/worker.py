@@ -43,8 +43,9 @@ log = logging.getLogger("liftoff.train")
 
 def resume(job: Job, state: TrainState) -> Resumed | None:
     """Load the checkpoint `train.resume` chooses among the store's versions into the job."""
+    reads = ckpt.planned_reads(job.model, job.optimizer, job.rank)
     found = find_resume_checkpoint(
-        job.train.resume, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, job.train.steps
+        job.train.resume, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, job.train.steps, reads
     )
     if found is None:
         return None

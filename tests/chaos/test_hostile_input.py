@@ -91,9 +91,9 @@ def resume_from_rewritten_manifest(base: Path, rel: str | None, step) -> None:
     checkpoint directory."""
     import json
 
+    from components.checkpoint_fetch import fetch_head
     from components.checkpoint_format import CheckpointError
     from components.store import IntegrityError, Ref, StoreError
-    from components.train.resume import materialize
 
     store = open_store(defaults("store", root=str(base / "root"), cache_dir=str(base / "cache")))
     src = base / "src"
@@ -107,7 +107,7 @@ def resume_from_rewritten_manifest(base: Path, rel: str | None, step) -> None:
     manifest["metadata"]["step"] = step
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises((StoreError, IntegrityError, CheckpointError)):
-        materialize(store, base / "ckpts", store.manifest(Ref("checkpoint", "tiny", "v-step1")))
+        fetch_head(store, base / "ckpts", store.manifest(Ref("checkpoint", "tiny", "v-step1")))
     allowed = (base / "root", base / "cache", base / "ckpts", src)
     outside = [p for p in base.parent.rglob("*") if p.is_relative_to(base) is False and "escape" in p.name]
     outside += [p for p in base.rglob("*") if not any(p.is_relative_to(a) for a in allowed)]

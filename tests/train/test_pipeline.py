@@ -53,7 +53,9 @@ def test_a_pipeline_checkpoint_resumes_data_parallel_with_the_weights_and_sample
     loads them all into every DDP rank. The blocks read at every global sample position are an
     uninterrupted data-parallel run's (both stages read each of theirs: the first stage's
     inputs are the last stage's targets); the step-20 weights equal the uninterrupted PP run's
-    within 1e-5 and the losses the uninterrupted DDP run's within 1e-5 relative."""
+    within 1e-5 and the losses the uninterrupted DDP run's within 1e-5 relative. The same
+    checkpoint resumes PP=2 too (each stage loads its own optimizer state by parameter name):
+    its step-20 weights and losses are the uninterrupted PP run's within 1e-6."""
     common = [*COMMON, "train.steps=20"]
     pp_dir, dp_dir, whole_dir = (trainer.tmp / n for n in ("pp_rows", "dp_rows", "whole_rows"))
     with injected(record_dir=str(pp_dir)):
@@ -77,3 +79,9 @@ def test_a_pipeline_checkpoint_resumes_data_parallel_with_the_weights_and_sample
     resumed, uninterrupted = losses_of(dp), losses_of(whole)
     assert len(resumed) == len(uninterrupted) == 20
     assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(resumed, uninterrupted, strict=True))
+    pp_again = ["train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2", f"train.resume={at10}"]
+    again = trainer.run(*common, *TWO_NODES, *pp_again)
+    assert again.result.start_step == 10 and again.result.wrapped_modules["pp_stages"] == 1
+    c = final_weights(again)
+    assert a.keys() == c.keys() and max(float((a[k] - c[k]).abs().max()) for k in a) < 1e-6
+    assert all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(losses_of(again), losses_of(pp), strict=True))

@@ -4,14 +4,16 @@ checkpoint continues only its own schedule unless a seed is named, damage is qua
 from __future__ import annotations
 
 import shutil
+import uuid
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from components import checkpoint_format as ckpt
-from components.config import defaults
-from components.store import Ref
+from components.checkpoint_fetch import fetch_reads
+from components.config import StoreBackend, defaults
+from components.store import Ref, open_store
 from components.train.resume import _decide
 from tests.conftest import Trainer
 
@@ -66,6 +68,7 @@ def test_the_node_copy_is_a_cache_of_the_store(trainer):
     cfg = trainer.config("train.steps=20")
     manifest, path = _decide("auto", root, trainer.store, cfg.model, r.identity, max_step=20)
     assert manifest.metadata["step"] == 20 and path == root / "step-20"
+    fetch_reads(trainer.store, manifest, path, {shard.name: [(0, len(good))]})  # what a load reads
     assert shard.read_bytes() == good  # fetched back from the store, which holds the good bytes
     other = Trainer(trainer.dataset_store, trainer.tmp / "other")  # a store that never saw this training
     assert _decide("auto", root, other.store, cfg.model, r.identity, max_step=20) is None
@@ -172,3 +175,88 @@ def test_two_runs_of_one_identity_against_one_store_one_trains_the_other_refuses
     launches = [m.ref.version for m in trainer.store.versions("run", trained[0].identity)]
     assert len(launches) == 1 and launches[0] in refused[0].holder  # the holder is the run that trained
     assert f"training identity {trained[0].identity} is held by" in str(refused[0])
+
+
+def s3_trainer(dataset_store, tmp, bucket: str) -> Trainer:
+    """A Trainer whose store is a bucket on the loopback S3 server, holding the tokenized corpus."""
+    trainer = Trainer(dataset_store, tmp)
+    cfg = defaults(
+        "store", backend=StoreBackend.minio, bucket=bucket, root="", cache_dir=str(tmp / "cache"),
+        secret_name="liftoff-minio", timeout_s=10.0,
+    )  # fmt: skip
+    store = open_store(cfg)
+    source = dataset_store / "store"
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        store.backend.put_file(path.relative_to(source).as_posix(), path)
+    trainer.store_cfg, trainer.store = cfg, store
+    return trainer
+
+
+def allocated(path) -> int:
+    """Bytes the file holds on disk: a block never written is a hole and takes none."""
+    return path.stat().st_blocks * 512 if path.exists() else 0
+
+
+def shared_bytes(ckpt_dir, name: str, block: int) -> int:
+    """The bytes of the items in shard file `name` that every rank reads (DCP's byte items and
+    whole tensors: the replicated ones saved once), rounded out to whole blocks, plus one block:
+    the most a rank of the same layout may fetch of another rank's file."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = ckpt.read_metadata_safely(ckpt_dir / ".metadata")
+    shared = 0
+    for index, info in md.storage_data.items():
+        stored = md.state_dict_metadata[index.fqn]
+        whole = isinstance(stored, BytesStorageMetadata) or all(
+            tuple(c.sizes) == tuple(stored.size) for c in stored.chunks
+        )
+        shared += info.length if info.relative_path == name and whole else 0
+    return -(-shared // block) * block + block
+
+
+@pytest.mark.parametrize("backend", ["local", "minio"])
+def test_a_resuming_node_fetches_only_the_blocks_its_ranks_load(dataset_store, tmp_path, backend, request):
+    """FSDP over 2 nodes saves steps 10 and 12, its shard files hashed in 16 KiB blocks; step 12
+    and the model are deleted from the store and the node disks wiped (new pods). The rerun
+    resumes step 10: each node fetches its own rank's shard file and RNG state whole and, of the
+    other rank's shard file, only the blocks of the items every rank reads (param groups, step
+    counts), never the other rank's shards. Counted on the nodes' disks (a sparse file's
+    allocated bytes) and, over S3, in the bytes the server sent per object. The rerun trains
+    steps 11-12 to the uninterrupted run's weights."""
+    if backend == "minio":
+        request.getfixturevalue("s3_env")
+        traffic = request.getfixturevalue("s3_traffic")
+        trainer = s3_trainer(dataset_store, tmp_path, f"t-{uuid.uuid4().hex[:12]}")
+    else:
+        trainer = Trainer(dataset_store, tmp_path)
+    config = [*TWO_NODES, *SHORT[2:], "train.parallelism=fsdp", "train.steps=12", "train.checkpoint_interval=10"]
+    block = 16 * 1024
+    first = trainer.run(*config, f"train.checkpoint_block_kib={block // 1024}")
+    steps = stored_steps(trainer, first.identity)
+    trainer.store.remove(steps[12].ref, with_dependants=True)  # the model too: the rerun must train 11-12
+    shutil.rmtree(first.run_dir / "nodes")
+    shutil.rmtree(trainer.store_cfg.cache_dir, ignore_errors=True)
+    at10 = steps[10]
+    whole = trainer.store.fetch(at10, tmp_path / "whole-step10")  # the test's own copy, to read the layout
+    shards = {n: e["size"] for n, e in at10.files.items() if n.endswith(".distcp")}
+    assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"]
+    prefix = f"{trainer.store_cfg.bucket}/{at10.ref.prefix}/"
+    before = dict(traffic.under(prefix)) if backend == "minio" else {}
+
+    again = trainer.run(*config, f"train.checkpoint_block_kib={block // 1024}")
+    assert again.result.resumed_from == str(at10.ref) and again.result.start_step == 10
+    assert same(weights(first), weights(again))  # the blocks fetched are the bytes the load needed
+
+    for node, other in ((0, 1), (1, 0)):
+        step10 = again.run_dir / "nodes" / str(node) / "checkpoints" / again.identity / f"node{node}" / "step-10"
+        assert (step10 / f"rank{node}.pt").is_file() and not (step10 / f"rank{other}.pt").exists()
+        own, theirs = step10 / f"__{node}_0.distcp", step10 / f"__{other}_0.distcp"
+        assert ckpt.sha256_file(own) == at10.files[own.name]["sha256"]  # its own shards: whole, verified
+        most = shared_bytes(whole, theirs.name, block)
+        assert allocated(theirs) <= min(most, 0.5 * shards[theirs.name]), (node, allocated(theirs), most)
+    if backend == "minio":
+        after = traffic.under(prefix)
+        sent = {n: after.get(prefix + n, 0) - before.get(prefix + n, 0) for n in shards}
+        # each file went whole to its rank's node, and to the other node only its shared blocks
+        for n in shards:
+            assert shards[n] <= sent[n] <= shards[n] + shared_bytes(whole, n, block), (n, sent, shards)

@@ -1,0 +1,187 @@
+"""Fetching from the store only the part of a checkpoint that a node's ranks load.
+
+A stored checkpoint is every rank's DCP shard files; a resuming rank reads only the items its
+own state (its FSDP shards, its pipeline stage, its TP slices) needs, wherever they lie. So:
+1. the head (`checkpoint.json`, `meta.json`, DCP's `.metadata`, the history) comes first,
+   checked against the version's manifest: the index it holds must list exactly the manifest's
+   files with the same digests, so what the index says of blocks is the store's word;
+2. every rank plans its load against `.metadata` (`read_ranges`: the byte ranges of each file
+   that its ReadItems name, DCP's own planner deciding);
+3. each node's first rank fetches the union of its ranks' ranges, rounded out to the blocks
+   whose sha256 the index records (`fetch_reads`), verifies every block and writes it at its
+   offset in a sparse file of the right size. A file whose blocks are all read, or one written
+   before blocks were recorded, is fetched whole against its sha256.
+A block already on the node that verifies is kept. Bytes a node's ranks never read are never
+fetched; the unfetched holes are never read (DCP reads exactly the planned items).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from components.checkpoint_format import (
+    HISTORY,
+    INDEX,
+    CheckpointError,
+    SafeLoadPlanner,
+    read_metadata_safely,
+)
+from components.store import ArtifactStore, IntegrityError, Manifest, check_relpath, sha256_file
+
+log = logging.getLogger(__name__)
+
+META = "meta.json"
+DCP_METADATA = ".metadata"
+HEAD = (INDEX, META, DCP_METADATA, HISTORY)
+WHOLE = None  # a read of a whole file (a rank's RNG state)
+
+Ranges = dict[str, list[tuple[int, int]] | None]  # file -> (offset, length) read, or WHOLE
+
+
+def step_of_manifest(manifest: Manifest) -> int | None:
+    step = manifest.metadata.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def fetch_head(store: ArtifactStore, root: Path, manifest: Manifest) -> Path:
+    """`root/step-N` holding the stored version's head, verified: its index is the manifest's
+    (every file, digest and size), its DCP metadata unpickles with the allowlist. A directory
+    there of another version is replaced; files the version does not have are removed (another
+    world size's rank files: DCP must see the stored version only)."""
+    step = step_of_manifest(manifest)
+    if step is None:  # it names a directory here
+        bad = manifest.metadata.get("step")
+        raise CheckpointError(f"{manifest.ref}: its manifest's step {bad!r} is not a step number")
+    dest = root / f"step-{step}"
+    index = dest / INDEX
+    stored_index = manifest.files.get(INDEX, {}).get("sha256")
+    if stored_index is None:
+        raise CheckpointError(f"{manifest.ref}: no {INDEX} among its files")
+    if dest.exists() and (not index.is_file() or sha256_file(index) != stored_index):
+        log.info("%s on this node is not %s of %s: replacing it", dest.name, manifest.ref, store.description)
+        shutil.rmtree(dest)
+    for rel in manifest.files:
+        check_relpath(rel)
+    for extra in (p for p in dest.glob("*") if p.is_file() and p.name not in manifest.files):
+        if not extra.name.startswith(".liftoff"):
+            extra.unlink()
+    for name in HEAD:
+        if name in manifest.files:
+            store.fetch_file(manifest, name, dest / name)
+    files = index_files(dest)
+    listed = {**{n: (e["sha256"], e["size"]) for n, e in files.items()}, INDEX: None}
+    stored = {**{n: (e["sha256"], e["size"]) for n, e in manifest.files.items()}, INDEX: None}
+    if listed != stored:
+        differ = sorted(set(listed.items()) ^ set(stored.items()))
+        raise CheckpointError(f"{manifest.ref}: its index and its manifest disagree on {differ[0][0]}")
+    if (dest / DCP_METADATA).is_file():
+        read_metadata_safely(dest / DCP_METADATA)
+    return dest
+
+
+def index_files(ckpt: Path) -> dict[str, dict]:
+    try:
+        return json.loads((ckpt / INDEX).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{ckpt / INDEX}: unreadable ({e})") from None
+
+
+def read_ranges(state: dict, ckpt: Path, rank: int) -> Ranges:
+    """The byte ranges of each shard file that loading `state` from the checkpoint reads (DCP's
+    own load planner against the stored metadata), and this rank's RNG state whole."""
+    metadata = read_metadata_safely(ckpt / DCP_METADATA)
+    planner = SafeLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    ranges: Ranges = {}
+    for item in planner.create_local_plan().items:
+        info = metadata.storage_data[item.storage_index]
+        ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+    ranges[f"rank{rank}.pt"] = WHOLE
+    return ranges
+
+
+def merge(parts: list[Ranges]) -> Ranges:
+    """The reads of several ranks (one node's): a file read whole by any is read whole."""
+    merged: Ranges = {}
+    for part in parts:
+        for name, spans in part.items():
+            if name in merged and merged[name] is WHOLE:
+                continue
+            merged[name] = WHOLE if spans is WHOLE else [*(merged.get(name) or []), *spans]
+    return merged
+
+
+def blocks_read(spans: list[tuple[int, int]], block_bytes: int) -> list[int]:
+    return sorted({b for off, n in spans if n > 0 for b in range(off // block_bytes, (off + n - 1) // block_bytes + 1)})
+
+
+def fetch_reads(store: ArtifactStore, manifest: Manifest, ckpt: Path, reads: Ranges) -> int:
+    """Fetch into `ckpt` what `reads` names that is not already there and verified; returns the
+    bytes fetched. IntegrityError when a block or file does not match the index."""
+    files, fetched = index_files(ckpt), 0
+    for name, spans in sorted(reads.items(), key=lambda kv: kv[0]):
+        entry = files.get(name)
+        if entry is None or name in HEAD:
+            continue  # e.g. the rank file of a rank the saving run did not have; the head is here
+        blocks = entry.get("blocks")
+        need = None if spans is WHOLE or not blocks else blocks_read(spans, entry["block_bytes"])
+        if need is None or len(need) == len(blocks):
+            fetched += _whole(store, manifest, ckpt / name, name, entry)
+        else:
+            fetched += _blocks(store, manifest, ckpt / name, name, entry, need)
+    return fetched
+
+
+def _whole(store: ArtifactStore, manifest: Manifest, target: Path, name: str, entry: dict) -> int:
+    if target.is_file() and target.stat().st_size == entry["size"] and sha256_file(target) == entry["sha256"]:
+        return 0
+    store.fetch_file(manifest, name, target)
+    return entry["size"]
+
+
+def _blocks(store: ArtifactStore, manifest: Manifest, target: Path, name: str, entry: dict, need: list[int]) -> int:
+    """The needed blocks at their offsets in a sparse file of the stored size, each verified."""
+    size, block = entry["size"], entry["block_bytes"]
+    if len(entry["blocks"]) != -(-size // block):
+        raise CheckpointError(f"{name}: the index records {len(entry['blocks'])} blocks for {size} bytes")
+    fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
+    fetched = 0
+    try:
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+        missing = [b for b in need if not _block_ok(os.pread(fd, block, b * block), entry["blocks"][b])]
+        for first, count in _runs(missing):
+            data = store.read_range(manifest, name, first * block, count * block)
+            for i in range(count):
+                piece = data[i * block : (i + 1) * block]
+                if not _block_ok(piece, entry["blocks"][first + i]):
+                    raise IntegrityError(
+                        f"sha256 mismatch for {manifest.ref.prefix}/{name} block {first + i} "
+                        f"(bytes {(first + i) * block}-{(first + i) * block + len(piece)}) in {store.description}"
+                    )
+            os.pwrite(fd, data, first * block)
+            fetched += len(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return fetched
+
+
+def _block_ok(data: bytes, digest: str) -> bool:
+    return hashlib.sha256(data).hexdigest() == digest
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Consecutive block numbers as (first, count): one range request each."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
