@@ -27,11 +27,12 @@ from pathlib import Path
 from components.checkpoint_format import (
     HISTORY,
     INDEX,
+    MODEL_KEY,
     CheckpointError,
     SafeLoadPlanner,
     read_metadata_safely,
 )
-from components.store import ArtifactStore, IntegrityError, Manifest, check_relpath, sha256_file
+from components.store import ArtifactStore, IntegrityError, Manifest, StoreError, check_relpath, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,9 @@ def index_files(ckpt: Path) -> dict[str, dict]:
         raise CheckpointError(f"{ckpt / INDEX}: unreadable ({e})") from None
 
 
-def read_ranges(state: dict, ckpt: Path, rank: int) -> Ranges:
+def read_ranges(state: dict, ckpt: Path, rank: int | None = None) -> Ranges:
     """The byte ranges of each shard file that loading `state` from the checkpoint reads (DCP's
-    own load planner against the stored metadata), and this rank's RNG state whole."""
+    own load planner against the stored metadata), and a training rank's RNG state whole."""
     metadata = read_metadata_safely(ckpt / DCP_METADATA)
     planner = SafeLoadPlanner()
     planner.set_up_planner(state, metadata, is_coordinator=False)
@@ -101,8 +102,19 @@ def read_ranges(state: dict, ckpt: Path, rank: int) -> Ranges:
     for item in planner.create_local_plan().items:
         info = metadata.storage_data[item.storage_index]
         ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
-    ranges[f"rank{rank}.pt"] = WHOLE
+    if rank is not None:
+        ranges[f"rank{rank}.pt"] = WHOLE
     return ranges
+
+
+def fetch_weights(store: ArtifactStore, manifest: Manifest, root: Path, weights: dict) -> tuple[Path, Ranges]:
+    """A stored checkpoint's model weights on this machine, never its optimizer state: the head,
+    then the parts of the model's shard files that loading `weights` (a state dict of the
+    model's shapes) reads, verified. Where they landed and what was read."""
+    path = fetch_head(store, root, manifest)
+    reads = read_ranges({MODEL_KEY: weights}, path)
+    fetch_reads(store, manifest, path, reads)
+    return path, reads
 
 
 def merge(parts: list[Ranges]) -> Ranges:
@@ -122,19 +134,38 @@ def blocks_read(spans: list[tuple[int, int]], block_bytes: int) -> list[int]:
 
 def fetch_reads(store: ArtifactStore, manifest: Manifest, ckpt: Path, reads: Ranges) -> int:
     """Fetch into `ckpt` what `reads` names that is not already there and verified; returns the
-    bytes fetched. IntegrityError when a block or file does not match the index."""
+    bytes fetched. IntegrityError when a block or file does not match the index; CheckpointError
+    when the reads or the index make no sense (a file it does not list, a span outside a file)."""
     files, fetched = index_files(ckpt), 0
     for name, spans in sorted(reads.items(), key=lambda kv: kv[0]):
+        if name in HEAD:
+            continue  # fetched and verified first
         entry = files.get(name)
-        if entry is None or name in HEAD:
-            continue  # e.g. the rank file of a rank the saving run did not have; the head is here
-        blocks = entry.get("blocks")
-        need = None if spans is WHOLE or not blocks else blocks_read(spans, entry["block_bytes"])
+        if entry is None:
+            if spans is WHOLE and name.startswith("rank"):
+                continue  # the RNG state of a rank the saving run did not have: the rank starts fresh
+            raise CheckpointError(f"{ckpt / INDEX}: the load reads {name}, which the index does not list")
+        blocks = _checked_blocks(ckpt, name, entry, spans)
+        need = None if spans is WHOLE or blocks is None else blocks_read(spans, entry["block_bytes"])
         if need is None or len(need) == len(blocks):
             fetched += _whole(store, manifest, ckpt / name, name, entry)
         else:
             fetched += _blocks(store, manifest, ckpt / name, name, entry, need)
     return fetched
+
+
+def _checked_blocks(ckpt: Path, name: str, entry: dict, spans) -> list[str] | None:
+    """The file's block digests (None: recorded without them), once the index's block size and
+    count fit the file's size and every span read lies inside the file."""
+    size = entry["size"]
+    if spans is not WHOLE and any(off < 0 or n < 0 or off + n > size for off, n in spans):
+        raise CheckpointError(f"{ckpt / INDEX}: DCP's metadata reads {name} outside its {size} bytes")
+    if "blocks" not in entry:
+        return None
+    block, blocks = entry.get("block_bytes"), entry["blocks"]
+    if not isinstance(block, int) or block <= 0 or not isinstance(blocks, list) or len(blocks) != -(-size // block):
+        raise CheckpointError(f"{ckpt / INDEX}: {name}: {len(blocks)} blocks of {block!r} bytes for {size} bytes")
+    return blocks
 
 
 def _whole(store: ArtifactStore, manifest: Manifest, target: Path, name: str, entry: dict) -> int:
@@ -145,26 +176,28 @@ def _whole(store: ArtifactStore, manifest: Manifest, target: Path, name: str, en
 
 
 def _blocks(store: ArtifactStore, manifest: Manifest, target: Path, name: str, entry: dict, need: list[int]) -> int:
-    """The needed blocks at their offsets in a sparse file of the stored size, each verified."""
-    size, block = entry["size"], entry["block_bytes"]
-    if len(entry["blocks"]) != -(-size // block):
-        raise CheckpointError(f"{name}: the index records {len(entry['blocks'])} blocks for {size} bytes")
+    """The needed blocks at their offsets in a sparse file of the stored size, each verified;
+    one block a request, so memory holds one block whatever the file's size."""
+    size, block, digests = entry["size"], entry["block_bytes"], entry["blocks"]
     fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
     fetched = 0
     try:
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
-        missing = [b for b in need if not _block_ok(os.pread(fd, block, b * block), entry["blocks"][b])]
-        for first, count in _runs(missing):
-            data = store.read_range(manifest, name, first * block, count * block)
-            for i in range(count):
-                piece = data[i * block : (i + 1) * block]
-                if not _block_ok(piece, entry["blocks"][first + i]):
-                    raise IntegrityError(
-                        f"sha256 mismatch for {manifest.ref.prefix}/{name} block {first + i} "
-                        f"(bytes {(first + i) * block}-{(first + i) * block + len(piece)}) in {store.description}"
-                    )
-            os.pwrite(fd, data, first * block)
+        for b in need:
+            if _block_ok(os.pread(fd, block, b * block), digests[b]):
+                continue  # already here (a resume on the same node, a copy from the last try)
+            want = min(block, size - b * block)
+            try:
+                data = store.read_range(manifest, name, b * block, want)
+            except IntegrityError as e:  # fewer bytes than the listing promised: the store, not the data
+                raise StoreError(str(e)) from None
+            if not _block_ok(data, digests[b]):
+                raise IntegrityError(
+                    f"sha256 mismatch for {manifest.ref.prefix}/{name} block {b} "
+                    f"(bytes {b * block}-{b * block + len(data)}) in {store.description}"
+                )
+            os.pwrite(fd, data, b * block)
             fetched += len(data)
         os.fsync(fd)
     finally:
@@ -174,14 +207,3 @@ def _blocks(store: ArtifactStore, manifest: Manifest, target: Path, name: str, e
 
 def _block_ok(data: bytes, digest: str) -> bool:
     return hashlib.sha256(data).hexdigest() == digest
-
-
-def _runs(blocks: list[int]) -> list[tuple[int, int]]:
-    """Consecutive block numbers as (first, count): one range request each."""
-    runs: list[tuple[int, int]] = []
-    for b in blocks:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs

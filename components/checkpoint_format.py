@@ -15,8 +15,8 @@ import hashlib
 import json
 import os
 import pickle
+import queue
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from components.store import InvalidKey, check_relpath, sha256_file
 INDEX = "checkpoint.json"
 HISTORY = "history.jsonl"  # the run's metrics.jsonl as of the checkpoint: a fresh pod's curves start at step 1
 SHARD_SUFFIX = ".distcp"  # DCP's data files; everything else in a checkpoint is small
+MODEL_KEY = "model"  # the saved state is {"model": weights, "optim": optimizer state}, flattened by DCP
 
 
 class CheckpointError(RuntimeError):
@@ -209,14 +210,28 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class ClusteredWriter(FileSystemWriter):
-    """DCP's FileSystemWriter, each rank's file ordered for partial reads: its byte items (DCP
-    writes them first), then its whole tensors smallest first, then its shards. The items a
-    rank of another layout reads from this file (the replicated ones DCP saved once, on
-    whichever rank: param groups, Adam's step counts) then sit in the file's first blocks, so a
-    partial fetch of it costs a block or two instead of one block per scattered scalar."""
+    """DCP's FileSystemWriter, each rank's items in two files laid out for partial reads: the
+    model's (`__<rank>_0.distcp`) and the optimizer's (`__<rank>_1.distcp`), so a reader of the
+    weights alone (validate, evaluate, an export) fetches no optimizer byte. Within a file, the
+    byte items come first (DCP writes them first), then the whole tensors smallest first, then
+    the shards: what a rank of another layout reads from a file it mostly does not need (the
+    replicated items DCP saved once, on whichever rank: param groups, Adam's step counts) sits
+    in its first blocks, so a partial fetch costs a block or two, not one per scattered scalar.
+    (On a GPU, DCP's overlapping loader writes a file's tensors smallest first instead, which
+    keeps those small shared items at the front too.)"""
 
     def write_data(self, plan, planner):
-        return super().write_data(replace(plan, items=sorted(plan.items, key=_shared_first)), planner)
+        files: queue.Queue = queue.Queue()
+        for number, part in enumerate(_by_file(plan.items)):
+            if part:
+                name = f"{plan.storage_data.prefix}{number}{SHARD_SUFFIX}"
+                files.put((self.fs.concat_path(self.path, name), name, sorted(part, key=_shared_first)))
+        return self._write_data(planner, files)
+
+
+def _by_file(items) -> tuple[list, list]:
+    weights = [i for i in items if i.index.fqn.startswith(f"{MODEL_KEY}.")]
+    return weights, [i for i in items if not i.index.fqn.startswith(f"{MODEL_KEY}.")]
 
 
 def _shared_first(item) -> tuple[int, int]:

@@ -30,6 +30,7 @@ from components.checkpoint_fetch import Ranges, read_ranges
 from components.checkpoint_format import (
     HISTORY,
     INDEX,
+    MODEL_KEY,
     CheckpointError,
     ClusteredWriter,
     file_entries,
@@ -59,7 +60,7 @@ def state_dicts(model, optimizer, flat: bool = True) -> dict:
     """The {"model", "optim"} state DCP saves and loads, the optimizer's flattened by name."""
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    return {"model": model_sd, "optim": optim_sd}
+    return {MODEL_KEY: model_sd, "optim": optim_sd}
 
 
 @dataclass
@@ -290,7 +291,8 @@ def load(ckpt: Path, model, optimizer, rank: int) -> dict:
     state = state_dicts(model, optimizer, flat)
     load_state(state, ckpt)
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    weights, optim = state[MODEL_KEY], state["optim"]
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim, options=options)
     rank_file = ckpt / f"rank{rank}.pt"
     rank_state = torch.load(rank_file, weights_only=True) if rank_file.is_file() else {}
     return {"meta": meta, "rank_state": rank_state}

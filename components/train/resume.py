@@ -59,17 +59,17 @@ def _head(store: ArtifactStore, root: Path, manifest: Manifest) -> Path:
     return fetch_head(store, root, manifest)
 
 
-def _newest_stored(store: ArtifactStore, root: Path, model: ModelConfig, identity: str, max_step: int, passed: set):
+def _newest_stored(store: ArtifactStore, root: Path, model: ModelConfig, identity: str, max_step: int, damaged: set):
     """The newest stored checkpoint of this identity at or before `max_step` whose objects are
     all there and whose head verifies, its head on this node; damaged ones are quarantined on
-    the way. `passed`: versions a node could not fetch this time (not evidence of damage)."""
+    the way. `damaged`: versions a node found damaged this time (their quarantine may have failed)."""
     try:
         stored = [m for m in store.versions("checkpoint", model.name) if m.metadata.get("identity") == identity]
     except StoreError as e:
         log.warning("cannot list checkpoints in %s: %s", store.description, e)
         return None
     steps = {str(m.ref): step_of_manifest(m) for m in stored}
-    usable = [m for m in stored if (s := steps[str(m.ref)]) is not None and s <= max_step and str(m.ref) not in passed]
+    usable = [m for m in stored if (s := steps[str(m.ref)]) is not None and s <= max_step and str(m.ref) not in damaged]
     for manifest in sorted(usable, key=lambda m: (step_of_manifest(m), m.created), reverse=True):
         try:
             return manifest, _head(store, root, manifest)
@@ -87,10 +87,10 @@ def _say_local_only(root: Path, identity: str) -> None:
 
 
 def _decide(mode: str, root: Path, store: ArtifactStore, model: ModelConfig, identity: str, max_step: int,
-            passed: frozenset = frozenset()):  # fmt: skip
+            damaged: frozenset = frozenset()):  # fmt: skip
     if mode == "never":
         return None
-    own = _newest_stored(store, root, model, identity, max_step, set(passed))
+    own = _newest_stored(store, root, model, identity, max_step, set(damaged))
     if own is not None or mode == "auto":
         return own
     try:
@@ -100,8 +100,8 @@ def _decide(mode: str, root: Path, store: ArtifactStore, model: ModelConfig, ide
             why = record.get("reason", "")
             raise ResumeError(f"train.resume={mode}: checkpoint/{model.name}@{mode} is quarantined: {why}") from None
         raise ResumeError(f"train.resume={mode}: no checkpoint/{model.name}@{mode} in {store.description}") from None
-    if str(manifest.ref) in passed:
-        raise ResumeError(f"train.resume={mode}: {manifest.ref} could not be fetched from {store.description}")
+    if str(manifest.ref) in damaged:  # its quarantine could not be written
+        raise ResumeError(f"train.resume={mode}: {manifest.ref} does not verify in {store.description}")
     try:
         path = _head(store, root, manifest)
     except (IntegrityError, ckpt.CheckpointError) as e:
@@ -114,19 +114,23 @@ def _decide(mode: str, root: Path, store: ArtifactStore, model: ModelConfig, ide
     return manifest, path
 
 
-def _everyone(step: Callable[[], None]) -> tuple:
-    """Run `step` on this rank and gather every rank's failure: (kind, message) with kind
-    "damage" (bytes that do not verify) or "store" (the store failing), or none."""
-    failure = None
+def _everyone(step: Callable[[], object]) -> tuple[object, tuple]:
+    """Run `step` on this rank, then gather every rank's failure: (kind, message) with kind
+    "damage" (bytes that do not verify: the version is quarantined), "store" (the store
+    failing) or "error" (anything else: a full disk, a checkpoint the model does not fit).
+    Every rank joins the gather whatever `step` raised, so no peer waits forever."""
+    result, failure = None, None
     try:
-        step()
+        result = step()
     except (IntegrityError, ckpt.CheckpointError) as e:
         failure = ("damage", str(e))
     except StoreError as e:
         failure = ("store", str(e))
+    except Exception as e:
+        failure = ("error", f"rank {dist.get_rank()}: {type(e).__name__}: {e}")
     failures: list = [None] * dist.get_world_size()
     dist.all_gather_object(failures, failure)
-    return tuple(f for f in failures if f)
+    return result, tuple(f for f in failures if f)
 
 
 def _fetch_this_node(store: ArtifactStore, root: Path, ref: Ref, name: str, rank: int, reads: Callable) -> tuple:
@@ -139,17 +143,21 @@ def _fetch_this_node(store: ArtifactStore, root: Path, ref: Ref, name: str, rank
         if leader and rank != 0:  # rank 0 fetched its node's head while choosing
             fetch_head(store, root, store.manifest(ref))
 
-    if failures := _everyone(head):
+    _, failures = _everyone(head)
+    if failures:
+        return failures
+    mine, failures = _everyone(lambda: reads(path))
+    if failures:
         return failures
     plans: list = [None] * dist.get_world_size()
-    dist.all_gather_object(plans, (node, reads(path)))
+    dist.all_gather_object(plans, (node, mine))
 
     def shards() -> None:
         if leader:
             fetched = fetch_reads(store, store.manifest(ref), path, merge([r for n, r in plans if n == node]))
             log.info("node %s fetched %.1f MB of %s", node, fetched / 1e6, ref)
 
-    return _everyone(shards)
+    return _everyone(shards)[1]
 
 
 def find_resume_checkpoint(
@@ -165,30 +173,33 @@ def find_resume_checkpoint(
     """Rank 0 decides among the store's versions; every node then fetches the part of that
     version its ranks load (`reads(path)`: a rank's reads, planned against the head there)
     before any rank loads it. A version a node finds damaged is quarantined by rank 0 and the
-    choice made again. Checkpoints beyond `max_step` (train.steps) are never chosen."""
-    passed: set[str] = set()  # versions some node could not fetch (the store failing): skipped
+    choice made again; a store failure or any other error on any rank stops every rank with
+    the same ResumeError (the launcher's relaunch tries again; never an older checkpoint
+    silently). Checkpoints beyond `max_step` (train.steps) are never chosen."""
+    damaged: set[str] = set()  # never chosen again, even where the quarantine could not be written
     while True:
         choice: list = [None]
         if rank == 0:
-            found = _decide(mode, root, store, model, identity, max_step, frozenset(passed))
-            if found is not None:
-                manifest, path = found
-                choice = [(str(manifest.ref), path.name)]
+            try:
+                found = _decide(mode, root, store, model, identity, max_step, frozenset(damaged))
+                choice = [("resume", str(found[0].ref), found[1].name) if found is not None else None]
+            except ResumeError as e:  # said on every rank, not only here while the others wait
+                choice = [("refused", str(e))]
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
             return None
-        ref, name = Ref.parse(choice[0][0]), choice[0][1]
+        if choice[0][0] == "refused":
+            raise ResumeError(choice[0][1])
+        ref, name = Ref.parse(choice[0][1]), choice[0][2]
         failures = _fetch_this_node(store, root, ref, name, rank, reads)
         if not failures:
             dist.barrier()
             return Resumed(root / name, ref, json.loads((root / name / "meta.json").read_text())["step"])
-        passed.add(str(ref))  # never chosen again by this choice, quarantined or not
+        if other := [why for kind, why in failures if kind != "damage"]:
+            raise ResumeError(f"resuming {ref} from {store.description}: {other[0]}")
+        damaged.add(str(ref))
         if rank == 0:
-            damage = [why for kind, why in failures if kind == "damage"]
-            if not damage:
-                log.warning("skipping stored checkpoint %s: %s", ref, failures[0][1])
-                continue
             try:
-                _quarantine(store, store.manifest(ref), damage[0])
+                _quarantine(store, store.manifest(ref), failures[0][1])
             except StoreError as e:
                 log.warning("could not quarantine %s: %s", ref, e)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from components.config import defaults
 from components.evaluate.stage import EvalInputError, run_evaluate
 from components.hf import ModelLoadError, load_hf_model
-from components.store import ArtifactStore, Ref
+from components.store import ArtifactStore, Ref, sha256_file
 from components.validate.checks import ValidationFailed
 from components.validate.stage import run_validate
 from tests.conftest import Trainer
@@ -48,6 +48,13 @@ def test_good_model_passes_every_check(trained):
     assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0
     # the fp32 model recomputed from the store matches what the live model measured in training
     assert verdict.numbers["loss_gap"] < 1e-5
+    # it read the checkpoint's weights, verified, and not one byte of its optimizer state
+    ckpt_ref = next(p for p in trainer.store.manifest(Ref.parse(ref)).parents if p.startswith("checkpoint/"))
+    stored = trainer.store.manifest(Ref.parse(ckpt_ref))
+    assert {"__0_0.distcp", "__0_1.distcp"} <= set(stored.files)  # the weights, the optimizer state
+    (read,) = (Path(trainer.store_cfg.cache_dir) / stored.ref.prefix).glob("step-*")
+    assert sha256_file(read / "__0_0.distcp") == stored.files["__0_0.distcp"]["sha256"]
+    assert not list(Path(trainer.store_cfg.cache_dir).rglob("__0_1.distcp"))  # nowhere in the cache
 
 
 def test_a_model_that_is_not_what_training_measured_fails_the_loss_check(trained, tmp_path):

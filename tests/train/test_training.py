@@ -66,7 +66,8 @@ def test_two_node_fp8_trains_float8_linears_and_learns_like_fp32(trainer):
     for node in (0, 1):
         kept = ckpt.local_checkpoints(node_checkpoints(fp8, node))
         assert [p.name for p in kept] == ["step-80", "step-40"]
-        assert {p.name for p in kept[0].glob("*.distcp")} == {f"__{node}_0.distcp"}
+        # its model shards and its optimizer shards, each in a file of its own
+        assert {p.name for p in kept[0].glob("*.distcp")} == {f"__{node}_0.distcp", f"__{node}_1.distcp"}
     stored = stored_checkpoints(trainer, fp8)
     assert sorted(stored) == [40, 80]
     assert {"__0_0.distcp", "__1_0.distcp", "rank0.pt", "rank1.pt", ".metadata"} <= set(stored[80].files)
