@@ -136,7 +136,8 @@ class FP8(BF16):
         of more than one rank is sharded at all (see `parallel.wrap`)."""
         import torch.distributed as dist
 
-        sharded = dist.is_initialized() and dist.get_world_size() // train.tp > 1  # FSDP over 2+ dp ranks
+        data_parallel = dist.get_world_size() // (train.tp * train.pp) if dist.is_initialized() else 1
+        sharded = data_parallel > 1  # FSDP over 2+ data-parallel ranks (tp and pp ranks hold other parts)
         return sharded and train.parallelism == Parallelism.fsdp and train.fp8_recipe == Fp8Recipe.tensorwise
 
     def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:

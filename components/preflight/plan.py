@@ -238,8 +238,16 @@ def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: T
     gathered = sum(
         k * precision.copy_bytes(kind in ("linear", "lm_head"), fp8, True, train) for kind, k, fp8 in tensors
     )
-    reductions = train.grad_accum_steps if train.fsdp_sync_every_microbatch else 1
+    reductions = 1 if syncs_only_the_last(train) else train.grad_accum_steps
     return 2 * train.grad_accum_steps * gathered + reductions * 4 * n
+
+
+def syncs_only_the_last(train: TrainConfig) -> bool:
+    """Whether FSDP reduce-scatters once a step, holding unsharded fp32 gradients between
+    micro-batches: with `fsdp_sync_every_microbatch` off, and always under pipeline parallelism
+    (torch's schedules turn the sync off for every micro-batch's backward and reduce once at
+    the end of the step, `perform_reduce_grad`, whatever the setting)."""
+    return train.grad_accum_steps > 1 and (not train.fsdp_sync_every_microbatch or train.pp > 1)
 
 
 def tp_local(tensors: list[tuple[str, int, bool]], tp: int) -> list[tuple[str, int, bool]]:
@@ -300,7 +308,7 @@ def _plan_rank(model, train, world, seq_len, share, tflops, peak_tflops, busbw_g
     shard = dp // replicas if sharded else 1
     weights = 4 * n / shard
     grads = 4 * n / shard
-    if sharded and train.grad_accum_steps > 1 and not train.fsdp_sync_every_microbatch:
+    if sharded and syncs_only_the_last(train):
         grads += 4 * n  # with gradient sync off between micro-batches FSDP2 keeps unsharded fp32 grads
     optimizer = (8 * n + 4 * len(tensors)) / shard
     precision = recipe(train.precision)

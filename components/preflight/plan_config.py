@@ -167,8 +167,8 @@ def sync_skip(cfg) -> tuple[Plan, PlanDevice] | None:
     """The plan with FSDP's gradient sync skipped between micro-batches, when this config
     syncs every one and skipping it still fits (less traffic, for unsharded gradients)."""
     t = cfg.train
-    if t.parallelism != Parallelism.fsdp or t.grad_accum_steps == 1 or not t.fsdp_sync_every_microbatch:
-        return None
+    if t.parallelism != Parallelism.fsdp or t.grad_accum_steps == 1 or not t.fsdp_sync_every_microbatch or t.pp > 1:
+        return None  # (under pipeline parallelism the schedule decides: it syncs the last only)
     p, d = plan_for(with_changes(cfg, {FSDP_SYNC: False}))
     return (p, d) if fits(p, d.memory_gb, cfg.preflight.memory_safety) else None
 

@@ -105,6 +105,8 @@ def _pp(t, world: int) -> str:
 def _sync(t) -> str:
     if t.grad_accum_steps == 1 or t.parallelism.value != "fsdp":
         return ""
+    if t.pp > 1:  # torch's schedules sync each stage once a step, whatever the setting
+        return ", reduce-scatter after the last micro-batch only (the pipeline schedule's)"
     when = "every micro-batch" if t.fsdp_sync_every_microbatch else "the last micro-batch only"
     return f", reduce-scatter after {when} (train.fsdp_sync_every_microbatch)"
 

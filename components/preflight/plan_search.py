@@ -8,21 +8,25 @@ processes and the model's heads, kv heads and FFN width, so a tp group is on NVL
 reduce-scatter after every micro-batch or the last only, activation checkpointing off or
 on, and the micro batch (a power of two dividing the sequences per data-parallel rank per
 step; accumulation makes up the rest, so the global batch, and with it the optimisation,
-never changes). The nodes and processes stay as configured. Pipeline parallel is not among
-them: the trainer does not run it yet.
+never changes). Pipeline parallel (`train.pp`: a power of two dividing the nodes, so a stage
+is whole nodes and only stage-to-stage sends cross the network; each of torch's schedules;
+FSDP or HSDP within a stage, DDP only when the stages are the world) is among them, without
+TP (not built together). The nodes and processes stay as configured. Every layout listed
+passes the compose-time rules (`components/config/rules.py`): it is a config that trains.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from components.config import Parallelism
+from components.config import PIPELINE_SCHEDULES, Parallelism
+from components.config.rules import train_rules
 from components.preflight.plan import Plan, fits
 from components.preflight.plan_config import AC, MICRO_BATCH, PARALLELISM, as_overrides, plan_for, with_changes
 from components.preflight.plan_format import global_batch
 
 SYNC, ACCUM, REPLICATE = "train.fsdp_sync_every_microbatch", "train.grad_accum_steps", "train.dp_replicate"
-TP = "train.tp"
+TP, PP, SCHEDULE = "train.tp", "train.pp", "train.pp_schedule"
 
 
 @dataclass
@@ -36,7 +40,7 @@ def _micro_batches(per_device: int) -> list[int]:
 
 
 def layouts(cfg) -> list[dict]:
-    """Every layout's changes against the config, the configured one included."""
+    """Every layout's changes against the config that composes, the configured one included."""
     c, m = cfg.cluster, cfg.model
     world = c.nodes * c.procs_per_node
     batch = global_batch(cfg)
@@ -46,12 +50,31 @@ def layouts(cfg) -> list[dict]:
         dp = world // tp
         if any(n % tp for n in splits) or (batch * tp) % world:
             continue
-        data_parallel = [(Parallelism.ddp, 1)] if dp == 1 or tp == 1 else []
-        if dp > 1:
-            data_parallel += [(Parallelism.fsdp, r) for r in range(1, c.nodes + 1) if c.nodes % r == 0 and dp > r]
-        for parallelism, replicas in data_parallel:
-            found += _batchings(cfg, {TP: tp, PARALLELISM: parallelism, REPLICATE: replicas}, batch // dp)
+        for parallelism, replicas in _data_parallel(dp, c.nodes, tp == 1):
+            layout = {TP: tp, PP: 1, PARALLELISM: parallelism, REPLICATE: replicas}
+            found += _batchings(cfg, layout, batch // dp)
+    for pp in (2**i for i in range(1, c.nodes.bit_length())):
+        dp = world // pp
+        if c.nodes % pp or batch % dp:
+            continue
+        for schedule in PIPELINE_SCHEDULES:
+            for parallelism, replicas in _data_parallel(dp, c.nodes // pp, False):
+                layout = {TP: 1, PP: pp, SCHEDULE: schedule, PARALLELISM: parallelism, REPLICATE: replicas}
+                found += _batchings(cfg, layout, batch // dp)
+    return [changes for changes in found if not train_rules(*_groups(with_changes(cfg, changes)))]
+
+
+def _data_parallel(dp: int, nodes: int, ddp: bool) -> list[tuple[Parallelism, int]]:
+    """DDP (where `ddp`, or when there is one data-parallel rank), FSDP, and HSDP with replicas
+    dividing `nodes` (so a shard group is whole nodes)."""
+    found = [(Parallelism.ddp, 1)] if dp == 1 or ddp else []
+    if dp > 1:
+        found += [(Parallelism.fsdp, r) for r in range(1, nodes + 1) if nodes % r == 0 and dp > r]
     return found
+
+
+def _groups(cfg) -> tuple:
+    return cfg.train, cfg.cluster, cfg.model
 
 
 def _batchings(cfg, layout: dict, per_replica: int) -> list[dict]:
@@ -60,7 +83,8 @@ def _batchings(cfg, layout: dict, per_replica: int) -> list[dict]:
     for ac in (False, True):
         for micro in _micro_batches(per_replica):
             accum = per_replica // micro
-            fsdp_accumulates = layout[PARALLELISM] == Parallelism.fsdp and accum > 1
+            # under pipeline parallelism the schedule syncs once a step, whatever the setting
+            fsdp_accumulates = layout[PARALLELISM] == Parallelism.fsdp and accum > 1 and layout[PP] == 1
             syncs = (True, False) if fsdp_accumulates else (cfg.train.fsdp_sync_every_microbatch,)
             for sync in syncs:
                 full = {**layout, AC: ac, MICRO_BATCH: micro, ACCUM: accum, SYNC: sync}

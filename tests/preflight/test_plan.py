@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from components.config import compose, defaults
 from components.devices import device
 from components.preflight.plan import fits, plan
-from components.preflight.plan_config import plan_for, with_changes
+from components.preflight.plan_config import as_overrides, plan_for, with_changes
+from components.preflight.plan_format import global_batch
 from components.train.model import build_model
 from components.train.optim import build_optimizer
 from pipelines.cli import main
@@ -267,17 +268,54 @@ def test_plan_search_ranks_the_layouts_that_fit_by_step_time_and_keeps_the_globa
     steps = [float(r[2]) for r in rows]
     assert steps == sorted(steps)
     base = _cfg(*SEARCH_70B)
-    for r in rows:  # each listed layout, applied, fits, keeps 16 sequences per device, plans that step time
+    for r in rows:  # each listed layout composes, fits, keeps the global batch of 512, plans that step time
         overrides = [] if r[5] == "(as configured)" else r[5].split()
         p, d = plan_for(cfg := _cfg(*SEARCH_70B, *overrides))
         assert fits(p, d.memory_gb, 0.9) and f"{p.step_time_s:.3g}" == r[2]
-        assert cfg.train.micro_batch_size * cfg.train.grad_accum_steps * 32 // cfg.train.tp == 16 * 32
-    assert {_cfg(*SEARCH_70B, *r[5].split()).train.tp for r in rows if r[5] != "(as configured)"} >= {1, 2, 8}
+        assert global_batch(cfg) == 16 * 32
+    listed = [_cfg(*SEARCH_70B, *r[5].split()).train for r in rows if r[5] != "(as configured)"]
+    assert {t.tp for t in listed} >= {1, 2, 8} and {t.pp for t in listed} >= {1, 4}
     assert f"best: {rows[0][5]}" in out
     # planned MFU never passes the device's published bound, in any layout, fitting or not
     for changes in layouts(base):
         p, d = plan_for(with_changes(base, changes))
         assert p.mfu <= d.efficiency == 0.47
+
+
+def test_plan_search_from_a_pipeline_config_lists_layouts_that_compose_at_its_global_batch(capsys):
+    """From PP=2 x FSDP (a global batch of 16 x 32 / 2 sequences): every layout in the search
+    composes (the config rules pass: no DDP beside PP, no accumulation below the stages), keeps
+    that global batch, and both pipeline and non-pipeline layouts are among those that fit."""
+    from components.preflight.plan_search import layouts
+
+    pipelined = [*SEARCH_70B, "train.pp=2", "train.parallelism=fsdp"]
+    base = _cfg(*pipelined)
+    assert global_batch(base) == 16 * 16
+    changes = layouts(base)
+    assert changes
+    for change in changes:
+        cfg = _cfg(*pipelined, *as_overrides(change))  # composing runs every rule: it raises on a bad one
+        assert global_batch(cfg) == 16 * 16
+    assert {c.get("train.pp", 2) for c in changes} >= {1, 2, 4}
+    assert main(["plan", "--search", *pipelined]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split(None, 5) for ln in out.splitlines() if re.match(r"^\s*\d+\s+\d", ln)]
+    shown = {_cfg(*pipelined, *(r[5].split() if r[5] != "(as configured)" else [])).train.pp for r in rows}
+    assert 1 in shown and shown & {2, 4}
+
+
+def test_under_pipeline_parallelism_fsdp_holds_unsharded_gradients_whatever_the_sync_setting():
+    """torch's schedules turn FSDP's gradient sync off for every micro-batch's backward and
+    reduce once at the end of the step (`perform_reduce_grad`): the plan holds the stage's
+    unsharded fp32 gradients beside the shard and counts one reduce-scatter, with
+    `train.fsdp_sync_every_microbatch` on or off."""
+    pipelined = [*SEARCH_70B, "train.pp=2", "train.parallelism=fsdp"]
+    every, _ = plan_for(_cfg(*pipelined, "train.fsdp_sync_every_microbatch=true"))
+    last, _ = plan_for(_cfg(*pipelined, "train.fsdp_sync_every_microbatch=false"))
+    assert (
+        every.grads_gb == last.grads_gb == pytest.approx(every.weights_gb * (1 + 16))
+    )  # the shard + the whole, 16 ranks
+    assert every.comm_s == last.comm_s
 
 
 def test_plan_search_with_nothing_that_fits_exits_1_with_the_advice(capsys):
