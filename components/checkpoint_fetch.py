@@ -40,6 +40,7 @@ META = "meta.json"
 DCP_METADATA = ".metadata"
 HEAD = (INDEX, META, DCP_METADATA, HISTORY)
 WHOLE = None  # a read of a whole file (a rank's RNG state)
+RANGE_BYTES = 64 << 20  # the most one range request asks for (consecutive blocks)
 
 Ranges = dict[str, list[tuple[int, int]] | None]  # file -> (offset, length) read, or WHOLE
 
@@ -176,33 +177,46 @@ def _whole(store: ArtifactStore, manifest: Manifest, target: Path, name: str, en
 
 
 def _blocks(store: ArtifactStore, manifest: Manifest, target: Path, name: str, entry: dict, need: list[int]) -> int:
-    """The needed blocks at their offsets in a sparse file of the stored size, each verified;
-    one block a request, so memory holds one block whatever the file's size."""
+    """The needed blocks at their offsets in a sparse file of the stored size, each verified
+    before it is written; consecutive blocks in one request of at most RANGE_BYTES (or one
+    block), so memory holds one request whatever the file's size."""
     size, block, digests = entry["size"], entry["block_bytes"], entry["blocks"]
     fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
     fetched = 0
     try:
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
-        for b in need:
-            if _block_ok(os.pread(fd, block, b * block), digests[b]):
-                continue  # already here (a resume on the same node, a copy from the last try)
-            want = min(block, size - b * block)
+        # what is already here and verifies stays (a resume on the same node, the last try's copy)
+        missing = [b for b in need if not _block_ok(os.pread(fd, block, b * block), digests[b])]
+        for first, count in _runs(missing, max(1, RANGE_BYTES // block)):
             try:
-                data = store.read_range(manifest, name, b * block, want)
+                data = store.read_range(manifest, name, first * block, count * block)
             except IntegrityError as e:  # fewer bytes than the listing promised: the store, not the data
                 raise StoreError(str(e)) from None
-            if not _block_ok(data, digests[b]):
-                raise IntegrityError(
-                    f"sha256 mismatch for {manifest.ref.prefix}/{name} block {b} "
-                    f"(bytes {b * block}-{b * block + len(data)}) in {store.description}"
-                )
-            os.pwrite(fd, data, b * block)
+            for b in range(first, first + count):
+                piece = data[(b - first) * block : (b - first + 1) * block]
+                if not _block_ok(piece, digests[b]):
+                    raise IntegrityError(
+                        f"sha256 mismatch for {manifest.ref.prefix}/{name} block {b} "
+                        f"(bytes {b * block}-{b * block + len(piece)}) in {store.description}"
+                    )
+            os.pwrite(fd, data, first * block)
             fetched += len(data)
         os.fsync(fd)
     finally:
         os.close(fd)
     return fetched
+
+
+def _runs(blocks: list[int], most: int) -> list[tuple[int, int]]:
+    """Consecutive block numbers as (first, count), at most `most` blocks a run."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == b and runs[-1][1] < most:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
 
 
 def _block_ok(data: bytes, digest: str) -> bool:

@@ -212,7 +212,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 class ClusteredWriter(FileSystemWriter):
     """DCP's FileSystemWriter, each rank's items in two files laid out for partial reads: the
     model's (`__<rank>_0.distcp`) and the optimizer's (`__<rank>_1.distcp`), so a reader of the
-    weights alone (validate, evaluate, an export) fetches no optimizer byte. Within a file, the
+    weights alone (validate) fetches no optimizer byte. Within a file, the
     byte items come first (DCP writes them first), then the whole tensors smallest first, then
     the shards: what a rank of another layout reads from a file it mostly does not need (the
     replicated items DCP saved once, on whichever rank: param groups, Adam's step counts) sits

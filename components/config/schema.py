@@ -123,7 +123,8 @@ class TrainConfig:
     micro_batch_size: int = MISSING
     grad_accum_steps: int = MISSING
     # FSDP/HSDP: reduce-scatter after every micro-batch (sharded gradients accumulate); false:
-    # only after the last, FSDP2 then holds unsharded fp32 gradients between them (less traffic)
+    # only after the last, FSDP2 then holds unsharded fp32 gradients between them (less traffic).
+    # Under pipeline parallelism the schedule syncs once a step whatever this says.
     fsdp_sync_every_microbatch: bool = MISSING
     steps: int = MISSING
     lr: float = MISSING

@@ -12,7 +12,8 @@ h = hidden, L = layers, a = heads):
   caches a bf16 copy of every Linear weight for the step (2 B/param), while fp8 casts of the
   Float8Linear weights are transient; under FSDP the unsharded parameters of the root (kept
   through the step) and of two blocks (computing + prefetched) exist at the compute dtype
-  (fp8 all-gather: 1 B for the Float8Linear weights).
+  (fp8 all-gather: 1 B for the Float8Linear weights); under pipeline parallelism all of a
+  stage's blocks (the schedule keeps them unsharded from the first backward to the step's end).
 - Gradients: fp32, 4 B/param. AdamW: two fp32 moments, 8 B/param, plus one fp32 `step`
   scalar per parameter tensor: fp32 master + two moments, 12 B/param (7B: 84 GB, 10.5 GB
   per rank under FSDP over 8 ranks).
@@ -20,7 +21,8 @@ h = hidden, L = layers, a = heads):
   FSDP shards weights, gradients and optimizer state over W. With gradient accumulation FSDP
   reduce-scatters after every micro-batch by default (`train.fsdp_sync_every_microbatch`), so
   only gradient shards accumulate; with the sync off between micro-batches FSDP2 holds
-  unsharded fp32 gradients, 4 B/param more, for 1/accum of the reduce-scatter traffic. On
+  unsharded fp32 gradients, 4 B/param more, for 1/accum of the reduce-scatter traffic; under
+  pipeline parallelism always (torch's schedules sync a stage once, at the step's end). On
   one process gradients are freed after each step and filled in during backward as
   activations are freed: the peak counts the larger of the two, not both.
 - Activations: what autograd saves for backward, per token (T = s·b tokens per micro-batch).
@@ -122,7 +124,9 @@ def weight_copies(
     """Bytes of compute copies of the weights live during a step, per device. Under DDP a
     checkpointed block saves no copies (autocast casts again in its recompute), so only the
     blocks without checkpointing hold them, plus (if `recompute`) the block being recomputed.
-    `sharded`: FSDP over more than one rank."""
+    `sharded`: FSDP over more than one rank; under pipeline parallelism torch's schedules keep
+    a stage's parameters unsharded from its first backward to the step's end
+    (`set_reshard_after_backward(False)`): all its blocks' copies are live."""
 
     def cost(kinds: tuple[str, ...]) -> float:
         return sum(
@@ -134,7 +138,7 @@ def weight_copies(
     root = cost(("embed", "norm", "lm_head"))
     blocks = cost(("linear", "block_norm"))
     if sharded:
-        return root + min(2, layers) * blocks / layers
+        return root + (blocks if train.pp > 1 else min(2, layers) * blocks / layers)
     if not train.activation_checkpointing:
         return root + blocks
     kept = -(-layers // train.ac_every_n_blocks)

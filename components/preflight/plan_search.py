@@ -9,7 +9,8 @@ reduce-scatter after every micro-batch or the last only, activation checkpointin
 on, and the micro batch (a power of two dividing the sequences per data-parallel rank per
 step; accumulation makes up the rest, so the global batch, and with it the optimisation,
 never changes). Pipeline parallel (`train.pp`: a power of two dividing the nodes, so a stage
-is whole nodes and only stage-to-stage sends cross the network; each of torch's schedules;
+is whole nodes and only stage-to-stage sends cross the network, and the configured pp; each
+of torch's schedules;
 FSDP or HSDP within a stage, DDP only when the stages are the world) is among them, without
 TP (not built together). The nodes and processes stay as configured. Every layout listed
 passes the compose-time rules (`components/config/rules.py`): it is a config that trains.
@@ -53,12 +54,13 @@ def layouts(cfg) -> list[dict]:
         for parallelism, replicas in _data_parallel(dp, c.nodes, tp == 1):
             layout = {TP: tp, PP: 1, PARALLELISM: parallelism, REPLICATE: replicas}
             found += _batchings(cfg, layout, batch // dp)
-    for pp in (2**i for i in range(1, c.nodes.bit_length())):
+    spanning_nodes = {p for p in (2**i for i in range(1, c.nodes.bit_length())) if c.nodes % p == 0}
+    for pp in sorted(spanning_nodes | ({cfg.train.pp} if cfg.train.pp > 1 else set())):  # and as configured
         dp = world // pp
-        if c.nodes % pp or batch % dp:
+        if world % pp or batch % dp:
             continue
         for schedule in PIPELINE_SCHEDULES:
-            for parallelism, replicas in _data_parallel(dp, c.nodes // pp, False):
+            for parallelism, replicas in _data_parallel(dp, max(1, c.nodes // pp), False):
                 layout = {TP: 1, PP: pp, SCHEDULE: schedule, PARALLELISM: parallelism, REPLICATE: replicas}
                 found += _batchings(cfg, layout, batch // dp)
     return [changes for changes in found if not train_rules(*_groups(with_changes(cfg, changes)))]

@@ -63,11 +63,7 @@ def _newest_stored(store: ArtifactStore, root: Path, model: ModelConfig, identit
     """The newest stored checkpoint of this identity at or before `max_step` whose objects are
     all there and whose head verifies, its head on this node; damaged ones are quarantined on
     the way. `damaged`: versions a node found damaged this time (their quarantine may have failed)."""
-    try:
-        stored = [m for m in store.versions("checkpoint", model.name) if m.metadata.get("identity") == identity]
-    except StoreError as e:
-        log.warning("cannot list checkpoints in %s: %s", store.description, e)
-        return None
+    stored = [m for m in store.versions("checkpoint", model.name) if m.metadata.get("identity") == identity]
     steps = {str(m.ref): step_of_manifest(m) for m in stored}
     usable = [m for m in stored if (s := steps[str(m.ref)]) is not None and s <= max_step and str(m.ref) not in damaged]
     for manifest in sorted(usable, key=lambda m: (step_of_manifest(m), m.created), reverse=True):
@@ -75,7 +71,7 @@ def _newest_stored(store: ArtifactStore, root: Path, model: ModelConfig, identit
             return manifest, _head(store, root, manifest)
         except (IntegrityError, ckpt.CheckpointError) as e:
             _quarantine(store, manifest, str(e))
-        except StoreError as e:  # unreachable or gone meanwhile: not evidence of damage
+        except NotFound as e:  # gone meanwhile (retention): not evidence of damage
             log.warning("skipping stored checkpoint %s: %s", manifest.ref, e)
     _say_local_only(root, identity)
     return None
@@ -185,6 +181,8 @@ def find_resume_checkpoint(
                 choice = [("resume", str(found[0].ref), found[1].name) if found is not None else None]
             except ResumeError as e:  # said on every rank, not only here while the others wait
                 choice = [("refused", str(e))]
+            except Exception as e:  # the store failing past its retries, a full disk: never an older one
+                choice = [("refused", f"train.resume={mode}: choosing in {store.description}: {type(e).__name__}: {e}")]
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
             return None

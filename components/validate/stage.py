@@ -11,7 +11,7 @@ from components.checkpoint_fetch import fetch_weights
 from components.checkpoint_format import CheckpointError
 from components.config import EvalConfig
 from components.hf import ModelLoadError, load_hf_model
-from components.store import ArtifactStore, IntegrityError, Ref
+from components.store import ArtifactStore, IntegrityError, Ref, StoreError
 from components.stream import open_split
 from components.validate.checks import (
     ValidationFailed,
@@ -48,6 +48,10 @@ def run_validate(model_ref: str, eval_cfg: EvalConfig, store: ArtifactStore) -> 
         ckpt_dir, reads = fetch_weights(store, ckpt_manifest, store.cache_dir / ckpt_manifest.ref.prefix, shapes)
     except (CheckpointError, IntegrityError) as e:
         raise ValidationFailed(f"checkpoint {ckpt_ref}: {e}") from None
+    except StoreError:
+        raise  # the store failing is not the checkpoint's fault
+    except (RuntimeError, ValueError, KeyError) as e:  # DCP's load planner: missing keys, other shapes
+        raise ValidationFailed(f"checkpoint {ckpt_ref}: the DCP checkpoint does not load into the model: {e}") from None
     verdict.passed("checkpoint_hashes", checkpoint_weight_files=len(reads))
     weights = load_checkpoint_weights(ckpt_dir, model)
     exported = model.state_dict()
