@@ -293,7 +293,7 @@ def test_plan_search_from_a_pipeline_config_lists_layouts_that_compose_at_its_gl
     assert global_batch(base) == 16 * 16
     changes = layouts(base)
     assert {} in changes  # the configured layout is among them
-    for change in changes:
+    for change in changes[:: max(1, len(changes) // 30)]:  # a spread of them: Hydra composes ~0.2 s each
         cfg = _cfg(*pipelined, *as_overrides(change))  # composing runs every rule: it raises on a bad one
         assert global_batch(cfg) == 16 * 16
     assert {c.get("train.pp", 2) for c in changes} >= {1, 2, 4}
