@@ -10,9 +10,8 @@ on, and the micro batch (a power of two dividing the sequences per data-parallel
 step; accumulation makes up the rest, so the global batch, and with it the optimisation,
 never changes). Pipeline parallel (`train.pp`: a power of two dividing the nodes, so a stage
 is whole nodes and only stage-to-stage sends cross the network, and the configured pp; each
-of torch's schedules;
-FSDP or HSDP within a stage, DDP only when the stages are the world) is among them, without
-TP (not built together). The nodes and processes stay as configured. Every layout listed
+of torch's schedules; FSDP or HSDP within a stage, DDP only when the stages are the world) is
+among them, without TP (not built together). The nodes and processes stay as configured. Every layout listed
 passes the compose-time rules (`components/config/rules.py`): it is a config that trains.
 """
 
@@ -63,7 +62,7 @@ def layouts(cfg) -> list[dict]:
             for parallelism, replicas in _data_parallel(dp, max(1, c.nodes // pp), False):
                 layout = {TP: 1, PP: pp, SCHEDULE: schedule, PARALLELISM: parallelism, REPLICATE: replicas}
                 found += _batchings(cfg, layout, batch // dp)
-    return [changes for changes in found if not train_rules(*_groups(with_changes(cfg, changes)))]
+    return [changes for changes in found if not _breaks_a_rule(with_changes(cfg, changes))]
 
 
 def _data_parallel(dp: int, nodes: int, ddp: bool) -> list[tuple[Parallelism, int]]:
@@ -75,8 +74,8 @@ def _data_parallel(dp: int, nodes: int, ddp: bool) -> list[tuple[Parallelism, in
     return found
 
 
-def _groups(cfg) -> tuple:
-    return cfg.train, cfg.cluster, cfg.model
+def _breaks_a_rule(cfg) -> bool:
+    return bool(train_rules(cfg.train, cfg.cluster, cfg.model))
 
 
 def _batchings(cfg, layout: dict, per_replica: int) -> list[dict]:

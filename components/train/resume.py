@@ -59,14 +59,15 @@ def _head(store: ArtifactStore, root: Path, manifest: Manifest) -> Path:
     return fetch_head(store, root, manifest)
 
 
-def _newest_stored(store: ArtifactStore, root: Path, model: ModelConfig, identity: str, max_step: int, damaged: set):
+def _newest_stored(store: ArtifactStore, root: Path, model: ModelConfig, identity: str, max_step: int,
+                   damaged: frozenset):  # fmt: skip
     """The newest stored checkpoint of this identity at or before `max_step` whose objects are
     all there and whose head verifies, its head on this node; damaged ones are quarantined on
     the way. `damaged`: versions a node found damaged this time (their quarantine may have failed)."""
     stored = [m for m in store.versions("checkpoint", model.name) if m.metadata.get("identity") == identity]
-    steps = {str(m.ref): step_of_manifest(m) for m in stored}
-    usable = [m for m in stored if (s := steps[str(m.ref)]) is not None and s <= max_step and str(m.ref) not in damaged]
-    for manifest in sorted(usable, key=lambda m: (step_of_manifest(m), m.created), reverse=True):
+    usable = [(s, m) for m in stored if (s := step_of_manifest(m)) is not None and s <= max_step]
+    usable = [(s, m) for s, m in usable if str(m.ref) not in damaged]
+    for _, manifest in sorted(usable, key=lambda sm: (sm[0], sm[1].created), reverse=True):
         try:
             return manifest, _head(store, root, manifest)
         except (IntegrityError, ckpt.CheckpointError) as e:
@@ -86,7 +87,7 @@ def _decide(mode: str, root: Path, store: ArtifactStore, model: ModelConfig, ide
             damaged: frozenset = frozenset()):  # fmt: skip
     if mode == "never":
         return None
-    own = _newest_stored(store, root, model, identity, max_step, set(damaged))
+    own = _newest_stored(store, root, model, identity, max_step, damaged)
     if own is not None or mode == "auto":
         return own
     try:
