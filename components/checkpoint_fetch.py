@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from components.checkpoint_format import (
@@ -32,7 +33,7 @@ from components.checkpoint_format import (
     SafeLoadPlanner,
     read_metadata_safely,
 )
-from components.store import ArtifactStore, IntegrityError, Manifest, StoreError, check_relpath, sha256_file
+from components.store import ArtifactStore, IntegrityError, Manifest, Ref, StoreError, check_relpath, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -221,3 +222,51 @@ def _runs(blocks: list[int], most: int) -> list[tuple[int, int]]:
 
 def _block_ok(data: bytes, digest: str) -> bool:
     return hashlib.sha256(data).hexdigest() == digest
+
+
+def everyone(step: Callable[[], object]) -> tuple[object, tuple]:
+    """Run `step` on this rank, then gather every rank's failure: (kind, message) with kind
+    "damage" (bytes that do not verify: the version is quarantined), "store" (the store
+    failing) or "error" (anything else: a full disk, a checkpoint the model does not fit).
+    Every rank joins the gather whatever `step` raised, so no peer waits forever."""
+    import torch.distributed as dist
+
+    result, failure = None, None
+    try:
+        result = step()
+    except (IntegrityError, CheckpointError) as e:
+        failure = ("damage", str(e))
+    except StoreError as e:
+        failure = ("store", str(e))
+    except Exception as e:
+        failure = ("error", f"rank {dist.get_rank()}: {type(e).__name__}: {e}")
+    failures: list = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return result, tuple(f for f in failures if f)
+
+
+def fetch_for_node(store: ArtifactStore, root: Path, ref: Ref, reads: Callable[[Path], Ranges]) -> tuple[Path, tuple]:
+    """A collective of every launched rank: each node holds the version's head under `root`,
+    then what its ranks' load plans read (`reads(path)`, planned against the head); the node's
+    first rank fetches for all of them. (The checkpoint's directory, every rank's failure.)"""
+    import torch.distributed as dist
+
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    node = os.environ.get("GROUP_RANK", "0")
+    manifest = store.manifest(ref)
+    path = root / f"step-{step_of_manifest(manifest)}"
+    _, failures = everyone(lambda: fetch_head(store, root, manifest) if leader else None)
+    if failures:
+        return path, failures
+    mine, failures = everyone(lambda: reads(path))
+    if failures:
+        return path, failures
+    plans: list = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, (node, mine))
+
+    def shards() -> None:
+        if leader:
+            fetched = fetch_reads(store, manifest, path, merge([r for n, r in plans if n == node]))
+            log.info("node %s fetched %.1f MB of %s", node, fetched / 1e6, ref)
+
+    return path, everyone(shards)[1]

@@ -93,12 +93,24 @@ def build_pipeline(cfg: Any):
             cfg,
         )
         validated = on_cluster(
-            validate_op(trained_model=trained.outputs["trained_model"], eval=eval, store=store),
+            validate_op(
+                trained_model=trained.outputs["trained_model"],
+                eval=eval,
+                cluster=cluster,
+                store=store,
+                pod_memory_gb=cfg.kfp.eval_memory_gb,  # its pod's memory request: a bigger model goes to the nodes
+            ),
             cfg,
             cfg.kfp.eval_memory_gb,
         )
         evaluated = on_cluster(
-            evaluate_op(validated_model=validated.outputs["validated_model"], eval=eval, store=store),
+            evaluate_op(
+                validated_model=validated.outputs["validated_model"],
+                eval=eval,
+                cluster=cluster,
+                store=store,
+                pod_memory_gb=cfg.kfp.eval_memory_gb,
+            ),
             cfg,
             cfg.kfp.eval_memory_gb,
         )

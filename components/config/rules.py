@@ -197,10 +197,18 @@ def preflight_rules(preflight: PreflightConfig, cluster: ClusterConfig | None = 
     return failed(rules)
 
 
+EVAL_LAUNCH = ("auto", "pod", "replicas")  # where validate and evaluate load the model
+
+
 def eval_rules(ev: EvalConfig) -> list[str]:
     known = ev.objective in EVAL_METRICS or ev.objective.startswith("lm_eval/")
     why = f"{ev.objective!r} is not a metric evaluate records ({', '.join(EVAL_METRICS)}, lm_eval/...)"
-    return failed([("eval.objective", known, why)])
+    return failed([
+        ("eval.objective", known, why),
+        ("eval.launch", ev.launch in EVAL_LAUNCH, f"must be one of {', '.join(EVAL_LAUNCH)}, got {ev.launch!r}"),
+        ("eval.lm_eval_tasks", not (ev.launch == "replicas" and ev.lm_eval_tasks),
+         "lm-eval loads the whole model in one process: with eval.launch=replicas, leave it empty"),
+    ])  # fmt: skip
 
 
 def cluster_rules(cluster: ClusterConfig) -> list[str]:

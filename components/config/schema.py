@@ -195,6 +195,7 @@ class EvalConfig:
     lm_eval_tasks: list[str] = MISSING
     baseline: str | None = MISSING  # a model version in the store to compare against
     objective: str = MISSING  # the metric a Bayesian sweep optimizes (pipelines/sweep.py)
+    launch: str = MISSING  # auto | pod | replicas: where validate and evaluate load the model (sharded_model.py)
 
     def check(self) -> list[str]:
         return rules.eval_rules(self)

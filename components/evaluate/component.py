@@ -8,18 +8,26 @@ from components import STAGE_IMAGE
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
 def evaluate(
-    validated_model: Input[Model], eval: dict, store: dict, metrics: Output[Metrics], report: Output[HTML]
+    validated_model: Input[Model],
+    eval: dict,
+    cluster: dict,
+    store: dict,
+    pod_memory_gb: float,
+    metrics: Output[Metrics],
+    report: Output[HTML],
 ) -> str:
-    """Returns the evaluation's reference in the store."""
+    """Returns the evaluation's reference in the store. Measures in this pod while
+    `pod_memory_gb` (its memory request) holds the model, else on the cluster's nodes."""
     from pathlib import Path
 
     from components import summaries
     from components.evaluate.stage import run_evaluate
     from components.task import input_ref, stage_task
 
-    with stage_task("evaluate", eval=eval, store=store) as task:
+    with stage_task("evaluate", eval=eval, cluster=cluster, store=store) as task:
         model_ref = input_ref(validated_model)
-        result = run_evaluate(model_ref, task.groups["eval"], task.store)
+        g = task.groups
+        result = run_evaluate(model_ref, g["eval"], task.store, g["cluster"], g["store"], pod_memory_gb)
         for name, value in result.metrics.items():
             metrics.log_metric(name, float(value))
         Path(report.path).write_text(result.html)  # the UI's copy; kfp.local names it `report`, no extension

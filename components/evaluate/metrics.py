@@ -67,10 +67,10 @@ def unigram_perplexity(train_blocks, val, n_blocks: int, vocab_size: int, max_tr
 
 
 @torch.no_grad()
-def greedy_samples(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict]:
+def greedy_samples(model, tokenizer, prompts: list[str], max_new_tokens: int, device=None) -> list[dict]:
     out = []
     for prompt in prompts:
-        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)], device=device)
         gen = model.generate(
             ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id, eos_token_id=None
         )

@@ -5,16 +5,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from components.blocks import load_tokenizer
-from components.config import EvalConfig
+from components.config import ClusterConfig, EvalConfig, StoreConfig
 from components.evaluate.metrics import greedy_samples, perplexity, token_byte_lengths, unigram_perplexity
 from components.evaluate.report import identity_rows, report_html
 from components.hf import load_hf_model
+from components.sharded_model import export_head, in_pod, launch_replicas
 from components.store import ArtifactStore, Manifest, Ref
 from components.stream import open_split
 
@@ -85,28 +87,53 @@ def run_lm_eval(model_dir: Path, tasks: list[str]) -> dict[str, float]:
     return out
 
 
+def measure_on_replicas(
+    model_ref: str, cfg: EvalConfig, cluster: ClusterConfig | None, store_cfg: StoreConfig | None, store: ArtifactStore
+) -> tuple[dict, list, dict | None]:
+    """measure(), the model sharded over the cluster's nodes (components/evaluate/worker.py):
+    (metrics, samples, the baseline's metrics or None)."""
+    if cfg.lm_eval_tasks:
+        raise EvalInputError(
+            f"{model_ref} does not fit the evaluate pod (eval.launch={cfg.launch}): lm-eval loads the whole model "
+            f"in one process; leave eval.lm_eval_tasks empty or raise kfp.eval_memory_gb"
+        )
+    if cluster is None or store_cfg is None:
+        raise ValueError("evaluate on replicas needs the cluster and store groups")
+    models = [model_ref, *([str(store.manifest(Ref.parse(cfg.baseline)).ref)] if cfg.baseline else [])]
+    measured = launch_replicas("components.evaluate.worker", "evaluate", cfg, models, cluster, store_cfg, store)
+    first = measured["measured"][0]
+    return first["metrics"], first["samples"], measured["measured"][1]["metrics"] if cfg.baseline else None
+
+
 def eval_suffix(cfg: EvalConfig) -> str:
     """What an eval version adds to its model's: the hash of how it measured (the objective a
-    sweep reads is not part of the measurement)."""
-    measured = {k: v for k, v in asdict(cfg).items() if k != "objective"}
+    sweep reads and where the model was loaded are not part of the measurement)."""
+    measured = {k: v for k, v in asdict(cfg).items() if k not in ("objective", "launch")}
     return hashlib.sha256(json.dumps(measured).encode()).hexdigest()[:8]
 
 
-def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore) -> EvalResult:
+def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore, cluster: ClusterConfig | None = None,
+                 store_cfg: StoreConfig | None = None, pod_memory_gb: float = math.inf) -> EvalResult:  # fmt: skip
+    """In this pod, or on launched replicas when the model does not fit it (`eval.launch`)."""
     check_lm_eval_tasks(cfg.lm_eval_tasks)
     model_manifest = store.manifest(Ref.parse(model_ref))
     data_ref = next((p for p in model_manifest.parents if p.startswith("dataset/")), None)
     if data_ref is None:
         raise EvalInputError(f"{model_ref}: its lineage names no dataset")
-    model_dir = store.fetch(model_manifest)
     data = store.manifest(Ref.parse(data_ref))
-    metrics, samples = measure(model_dir, store, data, cfg)
+    if in_pod(cfg, model_manifest, pod_memory_gb):
+        model_dir = store.fetch(model_manifest)
+        metrics, samples = measure(model_dir, store, data, cfg)
+        base = None
+        if cfg.baseline:
+            base = measure(store.fetch(store.manifest(Ref.parse(cfg.baseline))), store, data, cfg)[0]
+    else:
+        metrics, samples, base = measure_on_replicas(model_ref, cfg, cluster, store_cfg, store)
+        model_dir = export_head(store, model_manifest)  # its config and training curves: no weights
     deltas = None
-    if cfg.baseline:
-        base_manifest = store.manifest(Ref.parse(cfg.baseline))
-        base_metrics, _ = measure(store.fetch(base_manifest), store, data, cfg)
-        deltas = {k: metrics[k] - base_metrics[k] for k in metrics if k in base_metrics}
-        metrics.update({f"baseline_{k}": v for k, v in base_metrics.items()})
+    if base is not None:
+        deltas = {k: metrics[k] - base[k] for k in metrics if k in base}
+        metrics.update({f"baseline_{k}": v for k, v in base.items()})
     version = f"{model_manifest.ref.version}-{eval_suffix(cfg)}"
     evaluated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     eval_ref = f"eval/{model_manifest.ref.name}@{version}"

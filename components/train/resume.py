@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from components import checkpoint_format as ckpt
-from components.checkpoint_fetch import Ranges, fetch_head, fetch_reads, merge, step_of_manifest
+from components.checkpoint_fetch import Ranges, fetch_for_node, fetch_head, step_of_manifest
 from components.config import ModelConfig
 from components.store import ArtifactStore, IntegrityError, Manifest, NotFound, Ref, StoreError
 from components.train.prelaunch import ResumeError, check_shape
@@ -111,52 +110,6 @@ def _decide(mode: str, root: Path, store: ArtifactStore, model: ModelConfig, ide
     return manifest, path
 
 
-def _everyone(step: Callable[[], object]) -> tuple[object, tuple]:
-    """Run `step` on this rank, then gather every rank's failure: (kind, message) with kind
-    "damage" (bytes that do not verify: the version is quarantined), "store" (the store
-    failing) or "error" (anything else: a full disk, a checkpoint the model does not fit).
-    Every rank joins the gather whatever `step` raised, so no peer waits forever."""
-    result, failure = None, None
-    try:
-        result = step()
-    except (IntegrityError, ckpt.CheckpointError) as e:
-        failure = ("damage", str(e))
-    except StoreError as e:
-        failure = ("store", str(e))
-    except Exception as e:
-        failure = ("error", f"rank {dist.get_rank()}: {type(e).__name__}: {e}")
-    failures: list = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    return result, tuple(f for f in failures if f)
-
-
-def _fetch_this_node(store: ArtifactStore, root: Path, ref: Ref, name: str, rank: int, reads: Callable) -> tuple:
-    """Every node holds the chosen version's head, then what its ranks' load plans read (the
-    node's first rank fetches for all of them). A collective: returns every rank's failure."""
-    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    path, node = root / name, os.environ.get("GROUP_RANK", "0")
-
-    def head() -> None:
-        if leader and rank != 0:  # rank 0 fetched its node's head while choosing
-            fetch_head(store, root, store.manifest(ref))
-
-    _, failures = _everyone(head)
-    if failures:
-        return failures
-    mine, failures = _everyone(lambda: reads(path))
-    if failures:
-        return failures
-    plans: list = [None] * dist.get_world_size()
-    dist.all_gather_object(plans, (node, mine))
-
-    def shards() -> None:
-        if leader:
-            fetched = fetch_reads(store, store.manifest(ref), path, merge([r for n, r in plans if n == node]))
-            log.info("node %s fetched %.1f MB of %s", node, fetched / 1e6, ref)
-
-    return _everyone(shards)[1]
-
-
 def find_resume_checkpoint(
     mode: str,
     root: Path,
@@ -190,7 +143,7 @@ def find_resume_checkpoint(
         if choice[0][0] == "refused":
             raise ResumeError(choice[0][1])
         ref, name = Ref.parse(choice[0][1]), choice[0][2]
-        failures = _fetch_this_node(store, root, ref, name, rank, reads)
+        _, failures = fetch_for_node(store, root, ref, reads)
         if not failures:
             dist.barrier()
             return Resumed(root / name, ref, json.loads((root / name / "meta.json").read_text())["step"])

@@ -40,11 +40,12 @@ def verify_files(local: Path, manifest: Manifest) -> int:
     return len(manifest.files)
 
 
-def load_checkpoint_weights(ckpt_dir: Path, hf_model) -> dict[str, torch.Tensor]:
-    """The model weights of a DCP checkpoint, read into a copy of the model's own state dict."""
+def load_checkpoint_weights(ckpt_dir: Path, hf_model, into: dict | None = None) -> dict[str, torch.Tensor]:
+    """The model weights of a DCP checkpoint, read into `into` (tensors of the model's shapes)
+    or a copy of the model's own state dict."""
     from components.checkpoint_format import load_state
 
-    state = {"model": {k: torch.empty_like(v) for k, v in hf_model.state_dict().items()}}
+    state = {"model": into if into is not None else {k: torch.empty_like(v) for k, v in hf_model.state_dict().items()}}
     try:
         load_state(state, ckpt_dir, no_dist=True)
     except Exception as e:

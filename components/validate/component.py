@@ -8,9 +8,16 @@ from components import STAGE_IMAGE
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
 def validate(
-    trained_model: Input[Model], eval: dict, store: dict, verdict: Output[Metrics], validated_model: Output[Model]
+    trained_model: Input[Model],
+    eval: dict,
+    cluster: dict,
+    store: dict,
+    pod_memory_gb: float,
+    verdict: Output[Metrics],
+    validated_model: Output[Model],
 ) -> None:
-    """Passes the model on to evaluate as `validated_model` only when every check holds."""
+    """Passes the model on to evaluate as `validated_model` only when every check holds. In this
+    pod while `pod_memory_gb` (its memory request) holds the model, else on the cluster's nodes."""
     import json
     from pathlib import Path
 
@@ -18,9 +25,10 @@ def validate(
     from components.task import input_ref, stage_task
     from components.validate.stage import run_validate
 
-    with stage_task("validate", eval=eval, store=store) as task:
+    with stage_task("validate", eval=eval, cluster=cluster, store=store) as task:
         ref = input_ref(trained_model)
-        result = run_validate(ref, task.groups["eval"], task.store)
+        g = task.groups
+        result = run_validate(ref, g["eval"], task.store, g["cluster"], g["store"], pod_memory_gb)
         for name, ok in result.checks.items():
             verdict.log_metric(f"check_{name}", 1.0 if ok else 0.0)
         for name, value in result.numbers.items():

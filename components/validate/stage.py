@@ -9,8 +9,9 @@ import torch
 
 from components.checkpoint_fetch import fetch_weights
 from components.checkpoint_format import CheckpointError
-from components.config import EvalConfig
+from components.config import ClusterConfig, EvalConfig, StoreConfig
 from components.hf import ModelLoadError, load_hf_model
+from components.sharded_model import in_pod, launch_replicas
 from components.store import ArtifactStore, IntegrityError, Ref, StoreError
 from components.stream import open_split
 from components.validate.checks import (
@@ -24,9 +25,23 @@ from components.validate.checks import (
 log = logging.getLogger(__name__)
 
 
-def run_validate(model_ref: str, eval_cfg: EvalConfig, store: ArtifactStore) -> Verdict:
-    verdict = Verdict()
+def run_validate(model_ref: str, eval_cfg: EvalConfig, store: ArtifactStore, cluster: ClusterConfig | None = None,
+                 store_cfg: StoreConfig | None = None, pod_memory_gb: float = math.inf) -> Verdict:  # fmt: skip
+    """In this pod, or on launched replicas when the model does not fit it (`eval.launch`)."""
     model_manifest = store.manifest(Ref.parse(model_ref))
+    if not in_pod(eval_cfg, model_manifest, pod_memory_gb):
+        if cluster is None or store_cfg is None:
+            raise ValueError("validate on replicas needs the cluster and store groups")
+        result = launch_replicas("components.validate.worker", "validate", eval_cfg, [model_ref], cluster, store_cfg,
+                                 store)  # fmt: skip
+        if "failed" in result:
+            raise ValidationFailed(result["failed"])
+        return Verdict(result["checks"], result["numbers"])
+    return validate_in_pod(model_ref, model_manifest, eval_cfg, store)
+
+
+def validate_in_pod(model_ref: str, model_manifest, eval_cfg: EvalConfig, store: ArtifactStore) -> Verdict:
+    verdict = Verdict()
     model_dir = store.fetch(model_manifest)
     verdict.passed("model_hashes", model_files=verify_files(model_dir, model_manifest))
 
@@ -53,7 +68,7 @@ def run_validate(model_ref: str, eval_cfg: EvalConfig, store: ArtifactStore) -> 
     except (RuntimeError, ValueError, KeyError) as e:  # DCP's load planner: missing keys, other shapes
         raise ValidationFailed(f"checkpoint {ckpt_ref}: the DCP checkpoint does not load into the model: {e}") from None
     verdict.passed("checkpoint_hashes", checkpoint_weight_files=len(reads))
-    weights = load_checkpoint_weights(ckpt_dir, model)
+    weights = load_checkpoint_weights(ckpt_dir, model, into=shapes)  # two copies in the pod: POD_COPIES
     exported = model.state_dict()
     # exact, per tensor: torch.equal is False for a NaN, which `diff > 0` and Python's max would drop
     differ = sorted(k for k in exported if not torch.equal(weights[k], exported[k]))

@@ -59,7 +59,11 @@ def artifact(tmp_path, name: str, ref: str | None = None) -> SimpleNamespace:
 
 @pytest.mark.parametrize(
     ("key", "value", "message"),
-    [("loss_tolerance", 0, "eval.loss_tolerance: must be > 0, got 0"), ("val_blocks", "many", "eval.val_blocks")],
+    [
+        ("loss_tolerance", 0, "eval.loss_tolerance: must be > 0, got 0"),
+        ("val_blocks", "many", "eval.val_blocks"),
+        ("launch", "gpu", "eval.launch: must be one of auto, pod, replicas, got 'gpu'"),
+    ],
 )
 def test_validate_refuses_an_invalid_eval_group_naming_the_key(groups, tmp_path, no_stage_work, key, value, message):
     eval_group = as_the_ui_sends({**groups["eval"], key: value})
@@ -67,7 +71,9 @@ def test_validate_refuses_an_invalid_eval_group_naming_the_key(groups, tmp_path,
         validate.python_func(
             trained_model=artifact(tmp_path, "trained", "model/tiny@v1"),
             eval=eval_group,
+            cluster=as_the_ui_sends(groups["cluster"]),
             store=as_the_ui_sends(groups["store"]),
+            pod_memory_gb=16.0,
             verdict=artifact(tmp_path, "verdict"),
             validated_model=artifact(tmp_path, "validated"),
         )
@@ -78,7 +84,9 @@ def test_evaluate_refuses_an_invalid_eval_group_naming_the_key(groups, tmp_path,
         evaluate.python_func(
             validated_model=artifact(tmp_path, "validated", "model/tiny@v1"),
             eval=as_the_ui_sends({**groups["eval"], "batch_size": 0}),
+            cluster=as_the_ui_sends(groups["cluster"]),
             store=as_the_ui_sends(groups["store"]),
+            pod_memory_gb=16.0,
             metrics=artifact(tmp_path, "metrics"),
             report=artifact(tmp_path, "report"),
         )

@@ -1,0 +1,197 @@
+"""validate on launched replicas, for a model whose weights do not fit the KFP pod
+(`components/sharded_model.py`): the same checks as in the pod, each rank on its own shards.
+
+- model_hashes: each node's first rank fetches the export and re-hashes every file;
+- checkpoint_hashes: the checkpoint's weights, and only those, fetched per node and verified
+  block by block (`load_sharded`);
+- export_loads_sharded: the export's config builds the model and its tensors are the model's
+  (names, shapes, dtypes, from the safetensors headers);
+- checkpoint_matches_export: each rank's checkpoint shards equal the same slices of the export
+  (read per tensor from the safetensors file, never the whole tensor);
+- forward_finite and loss_agrees: the val blocks spread over the ranks, the sums reduced.
+A check that fails on any rank fails on all of them alike; rank 0 hands the verdict (or the
+failure) back through the store."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from components.checkpoint_fetch import everyone
+from components.distributed import init_distributed
+from components.sharded_model import (
+    ReplicaSpec,
+    ShardedLoadFailed,
+    checkpoint_of,
+    hand_back,
+    load_sharded,
+    local_numel,
+    my_batches,
+    summed,
+)
+from components.store import ArtifactStore, Manifest, Ref, StoreError, open_store
+from components.stream import open_split
+from components.validate.checks import ValidationFailed, Verdict, verify_files
+from components.worker_side import worker_spec
+
+TIMEOUT_S = 3600.0  # a node fetching a large export while its peers wait
+
+
+def collectively(step, what: str):
+    """`step` on this rank; any rank's failure raised on every rank: the store's as StoreError
+    (not the model's fault), anything else as ValidationFailed naming `what`."""
+    result, failures = everyone(step)
+    if failures:
+        kind, why = failures[0]
+        raise (StoreError if kind == "store" else ValidationFailed)(f"{what}: {why}")
+    return result
+
+
+def fetch_export(store: ArtifactStore, model: Manifest) -> Path:
+    """The export on this node, fetched and re-hashed by its first rank."""
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    def fetch() -> None:
+        if leader:
+            verify_files(store.fetch(model), model)
+
+    collectively(fetch, f"model {model.ref}")
+    return store.fetch(model)  # a verified copy is there now: the cache's stamp answers
+
+
+def export_tensors(model_dir: Path) -> dict[str, Path]:
+    """Each tensor of the safetensors export, by name, and the file holding it."""
+    from safetensors import safe_open
+
+    found = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            found.update(dict.fromkeys(f.keys(), path))
+    return found
+
+
+def compare_shards(model: torch.nn.Module, model_dir: Path) -> tuple[list[str], dict[str, float]]:
+    """(this rank's problems with the export's names, shapes and dtypes; the max |diff| of each
+    tensor whose local shard differs from the same slice of the export)."""
+    from safetensors import safe_open
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    where = export_tensors(model_dir)
+    params = dict(model.named_parameters())  # tied weights once, as the export saves them
+    problems = [f"{n}: in the export, not in the model" for n in sorted(set(where) - set(params))]
+    problems += [f"{n}: in the model, not in the export" for n in sorted(set(params) - set(where))]
+    differ = {}
+    for name in sorted(set(where) & set(params)):
+        p = params[name]
+        with safe_open(str(where[name]), framework="pt") as f:
+            stored = f.get_slice(name)
+            shape, dtype = tuple(stored.get_shape()), stored.get_dtype()
+            if shape != tuple(p.shape) or dtype != "F32":
+                problems.append(f"{name}: export {dtype} {list(shape)}, model float32 {list(p.shape)}")
+                continue
+            local = p.to_local() if hasattr(p, "to_local") else p.data
+            if local.numel() == 0:
+                continue
+            size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            rows = stored[offset[0] : offset[0] + size[0]]  # FSDP2 shards dim 0: one read of its rows
+        if not torch.equal(local.detach().cpu(), rows):
+            differ[name] = float((local.detach().cpu().float() - rows.float()).abs().max())
+    return problems, differ
+
+
+def gathered(value) -> list:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def sharded_mean_loss(model, blocks, n_blocks: int, batch_size: int, device) -> tuple[float, bool]:
+    """validate's mean_loss, the batches spread over the ranks."""
+
+    @torch.no_grad()
+    def nats(batch):
+        logits = model(input_ids=batch[:, :-1].to(device)).logits.float()
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch[:, 1:].to(device).flatten(), reduction="sum"
+        )
+        return float(loss), batch[:, 1:].numel(), bool(torch.isfinite(logits).all())
+
+    parts = my_batches(blocks, n_blocks, batch_size, nats)
+    total, count, bad = summed(device, sum(p[0] for p in parts), sum(p[1] for p in parts),
+                               sum(not p[2] for p in parts))  # fmt: skip
+    return (total / count if count else math.nan), bad == 0
+
+
+def sharded_validate(store: ArtifactStore, model_ref: str, cfg, device: torch.device) -> tuple[Verdict, int]:
+    """The verdict, and the parameter elements this rank held."""
+    verdict = Verdict()
+    manifest = store.manifest(Ref.parse(model_ref))
+    ckpt_ref, data_ref = checkpoint_of(manifest), next((p for p in manifest.parents if p.startswith("dataset/")), None)
+    if ckpt_ref is None or data_ref is None:
+        raise ValidationFailed(f"{model_ref}: its lineage names no checkpoint or dataset ({manifest.parents})")
+    model_dir = fetch_export(store, manifest)
+    verdict.passed("model_hashes", model_files=len(manifest.files))
+    try:
+        model = load_sharded(store, manifest, device, store.cache_dir)
+    except ShardedLoadFailed as e:
+        raise ValidationFailed(str(e)) from None
+    verdict.passed("checkpoint_hashes", replicas=dist.get_world_size())
+    problems, differ = collectively(lambda: compare_shards(model, model_dir), f"model {model_ref}")
+    problems = sorted({p for rank in gathered(problems) for p in rank})
+    if problems:
+        raise ValidationFailed(f"model {model_ref}: its export is not the model: {'; '.join(problems[:3])}")
+    verdict.passed("export_loads_sharded", parameters=sum(p.numel() for p in model.parameters()))
+    differ = {k: v for rank in gathered(differ) for k, v in rank.items()}
+    if differ:
+        raise ValidationFailed(
+            f"checkpoint {ckpt_ref} and model {model_ref} weights differ in {len(differ)} tensor(s) "
+            f"(max |diff| per tensor: {dict(list(sorted(differ.items()))[:5])})"
+        )
+    verdict.passed("checkpoint_matches_export", checkpoint_max_abs_diff=0.0)
+    val = open_split(store, store.manifest(Ref.parse(data_ref)), "val")
+    if len(val) == 0:
+        raise ValidationFailed(f"{data_ref}: the val split has zero blocks")
+    val_loss, finite = sharded_mean_loss(model, val, cfg.val_blocks, cfg.batch_size, device)
+    if not finite or not math.isfinite(val_loss):
+        raise ValidationFailed(f"forward pass: non-finite logits on the val split of {data_ref} (loss {val_loss})")
+    verdict.passed("forward_finite", val_loss=val_loss)
+    recorded, n = manifest.metadata.get("probe_loss"), manifest.metadata.get("probe_blocks", 0)
+    if recorded is None:
+        raise ValidationFailed(f"{model_ref}: its manifest records no probe loss to check against")
+    probe, _ = sharded_mean_loss(model, val, n, n, device)
+    val.close()
+    if not abs(probe - recorded) <= cfg.loss_tolerance:
+        raise ValidationFailed(
+            f"loss check: the stored model's loss on the first {n} val blocks is {probe:.4f}, training "
+            f"recorded {recorded:.4f} for them; the gap exceeds eval.loss_tolerance={cfg.loss_tolerance}"
+        )
+    verdict.passed("loss_agrees", recorded_loss=recorded, loss_gap=abs(probe - recorded))
+    return verdict, local_numel(model)
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    spec = worker_spec(argv, ReplicaSpec)
+    rank, _, device = init_distributed(timeout_s=TIMEOUT_S)
+    store = open_store(spec.store)
+    try:
+        verdict, held = sharded_validate(store, spec.models[0], spec.eval, device)
+        result = {"checks": verdict.checks, "numbers": verdict.numbers}
+    except ValidationFailed as e:  # raised on every rank alike
+        result, held = {"failed": str(e)}, 0
+    result["shard_numel"] = gathered(held)
+    if rank == 0:
+        hand_back(store, spec, result)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
