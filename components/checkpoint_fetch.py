@@ -253,11 +253,17 @@ def fetch_for_node(store: ArtifactStore, root: Path, ref: Ref, reads: Callable[[
 
     leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
     node = os.environ.get("GROUP_RANK", "0")
-    manifest = store.manifest(ref)
-    path = root / f"step-{step_of_manifest(manifest)}"
-    _, failures = everyone(lambda: fetch_head(store, root, manifest) if leader else None)
+
+    def head() -> Manifest:  # every rank reads the manifest: a failure of any is said on all
+        manifest = store.manifest(ref)
+        if leader:
+            fetch_head(store, root, manifest)
+        return manifest
+
+    manifest, failures = everyone(head)
     if failures:
-        return path, failures
+        return root, failures
+    path = root / f"step-{step_of_manifest(manifest)}"
     mine, failures = everyone(lambda: reads(path))
     if failures:
         return path, failures

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from components.checkpoint_fetch import fetch_for_node, read_ranges
+from components.checkpoint_fetch import everyone, fetch_for_node, read_ranges
 from components.checkpoint_format import MODEL_KEY, CheckpointError, load_state
 from components.config import ClusterConfig, EvalConfig, StoreConfig
 from components.store import ArtifactStore, IntegrityError, Manifest, Ref, StoreError
@@ -27,8 +27,9 @@ from components.worker_side import WorkerSpec
 log = logging.getLogger(__name__)
 
 # validate holds two fp32 copies of the weights in its pod (the export it loads, the checkpoint's
-# to compare); evaluate one: the pod is used while it holds POD_COPIES of them
-POD_COPIES = 2
+# to compare), evaluate one and a baseline's; the third is the headroom (activations, logits, the
+# unigram counts): the pod is used while it holds POD_COPIES of them
+POD_COPIES = 3
 
 
 def export_bytes(manifest: Manifest) -> int:
@@ -65,6 +66,7 @@ class ReplicaSpec(WorkerSpec):
     eval: EvalConfig
     store: StoreConfig  # as the replicas reach it (launcher.replica_store)
     models: list  # model/NAME@VERSION, measured in turn (evaluate: the model, then its baseline)
+    dataset: str  # dataset/NAME@VERSION: the first model's, which every model is measured on
     run: str  # the hand-back: run/<run>@<launch_id>, published by rank 0
     launch_id: str
 
@@ -77,7 +79,9 @@ def launch_replicas(module: str, stage: str, cfg: EvalConfig, models: list[str],
 
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     run = f"{stage}-{Ref.parse(models[0]).name}"
-    spec = ReplicaSpec(cfg, replica_store(store_cfg, cluster), list(models), run, launch_id)
+    first = store.manifest(Ref.parse(models[0]))
+    dataset = next((p for p in first.parents if p.startswith("dataset/")), "")
+    spec = ReplicaSpec(cfg, replica_store(store_cfg, cluster), list(models), dataset, run, launch_id)
     where = Path(f"{stage}-replicas").resolve() / launch_id  # the task's own directory (its pod's disk)
     launch = Launch(module, spec, cluster, f"{stage}-{launch_id[-8:]}", where / "logs", where / "nodes")
     launch.quarantined = lambda: fleet.quarantined(store)
@@ -124,17 +128,21 @@ def build_sharded(config_dir: Path, device: torch.device) -> torch.nn.Module:
 
 
 def load_sharded(store: ArtifactStore, model: Manifest, device: torch.device, root: Path):
-    """The model sharded over every rank with its checkpoint's weights. A collective. ShardedLoadFailed names the checkpoint
-    and what does not verify or fit, on every rank alike; a store failure raises StoreError."""
+    """The model sharded over every rank with its checkpoint's weights. A collective.
+    ShardedLoadFailed names the checkpoint and what does not verify or fit, on every rank alike;
+    a store failure raises StoreError."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     ckpt_ref = checkpoint_of(model)
     if ckpt_ref is None:
         raise ShardedLoadFailed(f"{model.ref}: its lineage names no checkpoint")
-    config = store.fetch_file(model, "config.json", root / "export" / model.ref.version / "config.json")
+    config, failures = everyone(lambda: store.fetch_file(model, "config.json", config_path(root, model)))
+    if failures:
+        raise (StoreError if failures[0][0] == "store" else ShardedLoadFailed)(f"{model.ref}: {failures[0][1]}")
     sharded = build_sharded(config.parent, device)
     weights = get_model_state_dict(sharded)  # this rank's shards (DTensors)
-    path, failures = fetch_for_node(store, root, Ref.parse(ckpt_ref), lambda p: read_ranges({MODEL_KEY: weights}, p))
+    ckpt = Ref.parse(ckpt_ref)
+    path, failures = fetch_for_node(store, root / ckpt.prefix, ckpt, lambda p: read_ranges({MODEL_KEY: weights}, p))
     if failures:
         kind, why = failures[0]
         if kind == "store":
@@ -146,6 +154,11 @@ def load_sharded(store: ArtifactStore, model: Manifest, device: torch.device, ro
         raise ShardedLoadFailed(f"checkpoint {ckpt_ref}: the weights do not load into the model: {e}") from None
     set_model_state_dict(sharded, weights)
     return sharded
+
+
+def config_path(root: Path, model: Manifest) -> Path:
+    """Where a node keeps a model's export config.json (the export's weights are not fetched)."""
+    return root / model.ref.prefix / "config.json"
 
 
 def local_numel(model: torch.nn.Module) -> int:

@@ -43,6 +43,11 @@ def perplexity(model, blocks, n_blocks: int, batch_size: int, byte_lengths: np.n
         nats += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
         tokens += targets.numel()
         nbytes += int(byte_lengths[targets.numpy()].sum())
+    return perplexity_metrics(nats, tokens, nbytes, elapsed)
+
+
+def perplexity_metrics(nats: float, tokens: int, nbytes: int, elapsed: float) -> dict[str, float]:
+    """The val metrics from summed nats, target tokens and their UTF-8 bytes, and forward seconds."""
     loss = nats / tokens
     return {
         "val_loss": loss,
@@ -67,12 +72,19 @@ def unigram_perplexity(train_blocks, val, n_blocks: int, vocab_size: int, max_tr
 
 
 @torch.no_grad()
-def greedy_samples(model, tokenizer, prompts: list[str], max_new_tokens: int, device=None) -> list[dict]:
+def greedy_samples(model, tokenizer, prompts: list[str], max_new_tokens: int, device=None, in_step=False) -> list[dict]:
+    """`in_step`: a model sharded over ranks, every rank generating the same (each forward is a
+    collective: no rank may stop early)."""
     out = []
     for prompt in prompts:
         ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)], device=device)
         gen = model.generate(
-            ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id, eos_token_id=None
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+            eos_token_id=None,
+            **({"synced_gpus": True} if in_step else {}),
         )
         out.append({"prompt": prompt, "continuation": tokenizer.decode(gen[0, ids.shape[1] :])})
     return out

@@ -16,7 +16,7 @@ from components.config import ClusterConfig, EvalConfig, StoreConfig
 from components.evaluate.metrics import greedy_samples, perplexity, token_byte_lengths, unigram_perplexity
 from components.evaluate.report import identity_rows, report_html
 from components.hf import load_hf_model
-from components.sharded_model import export_head, in_pod, launch_replicas
+from components.sharded_model import checkpoint_of, export_head, in_pod, launch_replicas
 from components.store import ArtifactStore, Manifest, Ref
 from components.stream import open_split
 
@@ -99,8 +99,18 @@ def measure_on_replicas(
         )
     if cluster is None or store_cfg is None:
         raise ValueError("evaluate on replicas needs the cluster and store groups")
-    models = [model_ref, *([str(store.manifest(Ref.parse(cfg.baseline)).ref)] if cfg.baseline else [])]
+    models = [model_ref]
+    if cfg.baseline:
+        baseline = store.manifest(Ref.parse(cfg.baseline))
+        if checkpoint_of(baseline) is None:
+            raise EvalInputError(
+                f"eval.baseline {cfg.baseline}: its lineage names no checkpoint, and on replicas a model is "
+                "loaded from its checkpoint's weights"
+            )
+        models.append(str(baseline.ref))
     measured = launch_replicas("components.evaluate.worker", "evaluate", cfg, models, cluster, store_cfg, store)
+    if "failed" in measured:
+        raise EvalInputError(measured["failed"])
     first = measured["measured"][0]
     return first["metrics"], first["samples"], measured["measured"][1]["metrics"] if cfg.baseline else None
 

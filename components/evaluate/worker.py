@@ -7,7 +7,7 @@ model's metrics and samples (the model, then eval.baseline) through the store.""
 
 from __future__ import annotations
 
-import math
+import json
 import sys
 import time
 
@@ -17,10 +17,19 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from components.blocks import load_tokenizer
+from components.checkpoint_fetch import everyone
 from components.distributed import init_distributed
-from components.evaluate.metrics import greedy_samples, token_byte_lengths, unigram_perplexity
+from components.evaluate.metrics import greedy_samples, perplexity_metrics, token_byte_lengths, unigram_perplexity
 from components.evaluate.stage import UNIGRAM_CACHE_GB
-from components.sharded_model import ReplicaSpec, hand_back, load_sharded, my_batches, summed
+from components.sharded_model import (
+    ReplicaSpec,
+    ShardedLoadFailed,
+    config_path,
+    hand_back,
+    load_sharded,
+    my_batches,
+    summed,
+)
 from components.store import ArtifactStore, Ref, open_store
 from components.stream import open_split
 from components.worker_side import worker_spec
@@ -49,45 +58,46 @@ def sharded_perplexity(model, blocks, cfg, byte_lengths: np.ndarray, device) -> 
     nats, tokens, nbytes = summed(device, *(sum(p[i] for p in parts) for i in range(3)))
     slowest = torch.tensor([sum(p[3] for p in parts)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    loss = nats / tokens
-    return {
-        "val_loss": loss,
-        "val_perplexity": math.exp(loss),
-        "val_bits_per_byte": nats / math.log(2) / nbytes,
-        "val_tokens": float(tokens),
-        "inference_tokens_per_s": tokens / float(slowest),
-    }
+    return perplexity_metrics(nats, tokens, nbytes, float(slowest))
 
 
-def measure_sharded(store: ArtifactStore, model_ref: str, cfg, device: torch.device, rank: int) -> dict:
+class EvalFailed(RuntimeError):
+    """The model cannot be measured; raised on every rank alike, handed back to the driver."""
+
+
+def measure_sharded(store: ArtifactStore, model_ref: str, data_ref: str, cfg, device: torch.device, rank: int) -> dict:
     manifest = store.manifest(Ref.parse(model_ref))
-    data_ref = next((p for p in manifest.parents if p.startswith("dataset/")), None)
     data = store.manifest(Ref.parse(data_ref))
     val = open_split(store, data, "val")
-    unigram = None
-    if rank == 0:
+    if len(val) == 0:
+        raise EvalFailed(f"{data.ref}: the val split has zero blocks; nothing to evaluate")
+
+    def unigram() -> float | None:  # the baseline needs no model: rank 0 counts while the others wait
+        if rank != 0:
+            return None
+        path = store.fetch_file(manifest, "config.json", config_path(store.cache_dir, manifest))
         train = open_split(store, data, "train", cache_gb=UNIGRAM_CACHE_GB)
-        unigram = unigram_perplexity(train, val, cfg.val_blocks, manifest_vocab(manifest, store))
-        train.close()
-    model = load_sharded(store, manifest, device, store.cache_dir)
+        try:
+            return unigram_perplexity(train, val, cfg.val_blocks, int(json.loads(path.read_text())["vocab_size"]))
+        finally:
+            train.close()
+
+    baseline, failures = everyone(unigram)
+    if failures:
+        raise EvalFailed(f"{model_ref}: the unigram baseline: {failures[0][1]}")
+    try:
+        model = load_sharded(store, manifest, device, store.cache_dir)
+    except ShardedLoadFailed as e:
+        raise EvalFailed(str(e)) from None
     tokenizer = load_tokenizer(store.fetch(data))
     metrics = sharded_perplexity(model, val, cfg, token_byte_lengths(tokenizer, model.config.vocab_size), device)
     val.close()
-    samples = greedy_samples(model, tokenizer, cfg.prompts, cfg.max_new_tokens, device)
+    samples = greedy_samples(model, tokenizer, cfg.prompts, cfg.max_new_tokens, device, in_step=True)
     if rank == 0:
-        metrics["unigram_perplexity"] = unigram
-        metrics["perplexity_vs_unigram"] = metrics["val_perplexity"] / unigram
+        metrics["unigram_perplexity"] = baseline
+        metrics["perplexity_vs_unigram"] = metrics["val_perplexity"] / baseline
     del model
     return {"metrics": metrics, "samples": samples}
-
-
-def manifest_vocab(manifest, store: ArtifactStore) -> int:
-    """The export's vocabulary (its config.json, verified), before any weight is loaded."""
-    import json
-
-    dest = store.cache_dir / "export" / manifest.ref.version / "config.json"  # where load_sharded reads it
-    config = store.fetch_file(manifest, "config.json", dest)
-    return int(json.loads(config.read_text())["vocab_size"])
 
 
 @record
@@ -95,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     spec = worker_spec(argv, ReplicaSpec)
     rank, _, device = init_distributed(timeout_s=TIMEOUT_S)
     store = open_store(spec.store)
-    measured = [measure_sharded(store, ref, spec.eval, device, rank) for ref in spec.models]
+    try:  # every model on the first model's val split, as in the pod
+        result = {
+            "measured": [measure_sharded(store, ref, spec.dataset, spec.eval, device, rank) for ref in spec.models]
+        }
+    except EvalFailed as e:
+        result = {"failed": str(e)}
     if rank == 0:
-        hand_back(store, spec, {"measured": measured})
+        hand_back(store, spec, result)
     dist.barrier()
     dist.destroy_process_group()
     return 0

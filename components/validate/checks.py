@@ -53,6 +53,40 @@ def load_checkpoint_weights(ckpt_dir: Path, hf_model, into: dict | None = None) 
     return state["model"]
 
 
+def weights_agree(verdict: Verdict, diffs: dict[str, float], ckpt_ref: str, model_ref: str) -> None:
+    """checkpoint_matches_export: `diffs`, the max |diff| of each tensor that differs, is empty."""
+    if diffs:
+        raise ValidationFailed(
+            f"checkpoint {ckpt_ref} and model {model_ref} weights differ in {len(diffs)} tensor(s) "
+            f"(max |diff| per tensor: {dict(sorted(diffs.items())[:5])})"
+        )
+    verdict.passed("checkpoint_matches_export", checkpoint_max_abs_diff=0.0)
+
+
+def losses_hold(verdict: Verdict, loss_of, val, data_ref: str, model: Manifest, cfg) -> None:
+    """forward_finite and loss_agrees; `loss_of(n_blocks, batch_size)`: (the mean loss over the
+    first val blocks, whether every logit was finite)."""
+    if len(val) == 0:
+        raise ValidationFailed(f"{data_ref}: the val split has zero blocks")
+    val_loss, finite = loss_of(cfg.val_blocks, cfg.batch_size)
+    if not finite or not math.isfinite(val_loss):
+        raise ValidationFailed(f"forward pass: non-finite logits on the val split of {data_ref} (loss {val_loss})")
+    verdict.passed("forward_finite", val_loss=val_loss)
+    # the loss training measured on its live model (its wrappers, its precision) at the end, on
+    # the first val blocks, recomputed here from the stored weights in fp32: a wrong export, a
+    # stale artifact or lost weights cannot agree
+    recorded, n = model.metadata.get("probe_loss"), model.metadata.get("probe_blocks", 0)
+    if recorded is None:
+        raise ValidationFailed(f"{model.ref}: its manifest records no probe loss to check against")
+    probe, _ = loss_of(n, n)
+    if not abs(probe - recorded) <= cfg.loss_tolerance:
+        raise ValidationFailed(
+            f"loss check: the stored model's loss on the first {n} val blocks is {probe:.4f}, training "
+            f"recorded {recorded:.4f} for them; the gap exceeds eval.loss_tolerance={cfg.loss_tolerance}"
+        )
+    verdict.passed("loss_agrees", recorded_loss=recorded, loss_gap=abs(probe - recorded))
+
+
 @torch.no_grad()
 def mean_loss(model, blocks, n_blocks: int, batch_size: int) -> tuple[float, bool]:
     """Mean next-token loss over the first n_blocks val blocks; and whether all logits were finite."""

@@ -18,8 +18,10 @@ from components.validate.checks import (
     ValidationFailed,
     Verdict,
     load_checkpoint_weights,
+    losses_hold,
     mean_loss,
     verify_files,
+    weights_agree,
 )
 
 log = logging.getLogger(__name__)
@@ -72,32 +74,8 @@ def validate_in_pod(model_ref: str, model_manifest, eval_cfg: EvalConfig, store:
     exported = model.state_dict()
     # exact, per tensor: torch.equal is False for a NaN, which `diff > 0` and Python's max would drop
     differ = sorted(k for k in exported if not torch.equal(weights[k], exported[k]))
-    if differ:
-        diffs = {k: float((weights[k].float() - exported[k].float()).abs().max()) for k in differ}
-        raise ValidationFailed(
-            f"checkpoint {ckpt_ref} and model {model_ref} weights differ in {len(differ)} tensor(s) "
-            f"(max |diff| per tensor: {dict(list(diffs.items())[:5])})"
-        )
-    verdict.passed("checkpoint_matches_export", checkpoint_max_abs_diff=0.0)
-
+    weights_agree(verdict, {k: float((weights[k].float() - exported[k].float()).abs().max()) for k in differ},
+                  ckpt_ref, model_ref)  # fmt: skip
     val = open_split(store, store.manifest(Ref.parse(data_ref)), "val")
-    if len(val) == 0:
-        raise ValidationFailed(f"{data_ref}: the val split has zero blocks")
-    val_loss, finite = mean_loss(model, val, eval_cfg.val_blocks, eval_cfg.batch_size)
-    if not finite or not math.isfinite(val_loss):
-        raise ValidationFailed(f"forward pass: non-finite logits on the val split of {data_ref} (loss {val_loss})")
-    verdict.passed("forward_finite", val_loss=val_loss)
-    # the loss training measured on its live model (its wrappers, its precision) at the end, on
-    # the first val blocks, recomputed here from the stored export in fp32: a wrong export, a
-    # stale artifact or lost weights cannot agree
-    recorded, n = model_manifest.metadata.get("probe_loss"), model_manifest.metadata.get("probe_blocks", 0)
-    if recorded is None:
-        raise ValidationFailed(f"{model_ref}: its manifest records no probe loss to check against")
-    probe, _ = mean_loss(model, val, n, n)
-    if not abs(probe - recorded) <= eval_cfg.loss_tolerance:
-        raise ValidationFailed(
-            f"loss check: the stored model's loss on the first {n} val blocks is {probe:.4f}, training "
-            f"recorded {recorded:.4f} for them; the gap exceeds eval.loss_tolerance={eval_cfg.loss_tolerance}"
-        )
-    verdict.passed("loss_agrees", recorded_loss=recorded, loss_gap=abs(probe - recorded))
+    losses_hold(verdict, lambda n, size: mean_loss(model, val, n, size), val, data_ref, model_manifest, eval_cfg)
     return verdict

@@ -37,7 +37,7 @@ from components.sharded_model import (
 )
 from components.store import ArtifactStore, Manifest, Ref, StoreError, open_store
 from components.stream import open_split
-from components.validate.checks import ValidationFailed, Verdict, verify_files
+from components.validate.checks import ValidationFailed, Verdict, losses_hold, verify_files, weights_agree
 from components.worker_side import worker_spec
 
 TIMEOUT_S = 3600.0  # a node fetching a large export while its peers wait
@@ -141,38 +141,18 @@ def sharded_validate(store: ArtifactStore, model_ref: str, cfg, device: torch.de
         model = load_sharded(store, manifest, device, store.cache_dir)
     except ShardedLoadFailed as e:
         raise ValidationFailed(str(e)) from None
+    held = local_numel(model)  # loaded: its shards (the root's are gathered by the first forward and kept)
     verdict.passed("checkpoint_hashes", replicas=dist.get_world_size())
     problems, differ = collectively(lambda: compare_shards(model, model_dir), f"model {model_ref}")
     problems = sorted({p for rank in gathered(problems) for p in rank})
     if problems:
         raise ValidationFailed(f"model {model_ref}: its export is not the model: {'; '.join(problems[:3])}")
     verdict.passed("export_loads_sharded", parameters=sum(p.numel() for p in model.parameters()))
-    differ = {k: v for rank in gathered(differ) for k, v in rank.items()}
-    if differ:
-        raise ValidationFailed(
-            f"checkpoint {ckpt_ref} and model {model_ref} weights differ in {len(differ)} tensor(s) "
-            f"(max |diff| per tensor: {dict(list(sorted(differ.items()))[:5])})"
-        )
-    verdict.passed("checkpoint_matches_export", checkpoint_max_abs_diff=0.0)
+    weights_agree(verdict, {k: v for rank in gathered(differ) for k, v in rank.items()}, ckpt_ref, model_ref)
     val = open_split(store, store.manifest(Ref.parse(data_ref)), "val")
-    if len(val) == 0:
-        raise ValidationFailed(f"{data_ref}: the val split has zero blocks")
-    val_loss, finite = sharded_mean_loss(model, val, cfg.val_blocks, cfg.batch_size, device)
-    if not finite or not math.isfinite(val_loss):
-        raise ValidationFailed(f"forward pass: non-finite logits on the val split of {data_ref} (loss {val_loss})")
-    verdict.passed("forward_finite", val_loss=val_loss)
-    recorded, n = manifest.metadata.get("probe_loss"), manifest.metadata.get("probe_blocks", 0)
-    if recorded is None:
-        raise ValidationFailed(f"{model_ref}: its manifest records no probe loss to check against")
-    probe, _ = sharded_mean_loss(model, val, n, n, device)
+    losses_hold(verdict, lambda n, size: sharded_mean_loss(model, val, n, size, device), val, data_ref, manifest, cfg)
     val.close()
-    if not abs(probe - recorded) <= cfg.loss_tolerance:
-        raise ValidationFailed(
-            f"loss check: the stored model's loss on the first {n} val blocks is {probe:.4f}, training "
-            f"recorded {recorded:.4f} for them; the gap exceeds eval.loss_tolerance={cfg.loss_tolerance}"
-        )
-    verdict.passed("loss_agrees", recorded_loss=recorded, loss_gap=abs(probe - recorded))
-    return verdict, local_numel(model)
+    return verdict, held
 
 
 @record
@@ -185,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         result = {"checks": verdict.checks, "numbers": verdict.numbers}
     except ValidationFailed as e:  # raised on every rank alike
         result, held = {"failed": str(e)}, 0
-    result["shard_numel"] = gathered(held)
+    held = gathered(held)  # what each rank's memory held of the weights: its shards
+    if "numbers" in result:
+        result["numbers"].update(rank_params_max=max(held), rank_params_sum=sum(held))
     if rank == 0:
         hand_back(store, spec, result)
     dist.barrier()

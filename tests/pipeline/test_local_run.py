@@ -37,6 +37,7 @@ def run_logs(root) -> str:
     return "".join(p.read_text() for p in sorted(root.rglob("run.log"), key=lambda p: p.stat().st_mtime))
 
 
+@pytest.mark.chaos_slow  # 90 s, two whole runs: in `make chaos`; test_run_end_to_end keeps a one-job sweep
 def test_sweep_runs_every_job_tokenizes_once_and_reruns_only_what_changed(in_tmp, capfd, caplog):
     caplog.set_level("INFO")
     assert main(["run", "-m", *FAST, "train.lr=1e-3,3e-3"]) == 0

@@ -68,6 +68,7 @@ def test_preflight_measures_every_process_as_training_runs_them(trainer):
     assert result.excluded_hosts == [result.nodes[1]["host"]]
 
 
+@pytest.mark.chaos_slow  # 77 s, two preflights: in `make chaos`, out of `make test`'s 30 minutes
 def test_throttled_node_is_unhealthy_and_the_gate_stops_the_run(trainer):
     with injected(throttle_node=1):
         cfg, result = preflight(trainer, "preflight.min_healthy_nodes=2")

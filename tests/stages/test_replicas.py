@@ -94,6 +94,9 @@ def test_a_model_bigger_than_the_pod_is_validated_and_evaluated_sharded_on_two_n
         "forward_finite",
         "loss_agrees",
     }
+    total = verdict.numbers["parameters"]
+    # each rank's memory held its shards of the weights, never the whole model
+    assert verdict.numbers["rank_params_sum"] == total and verdict.numbers["rank_params_max"] <= 0.55 * total
     assert verdict.numbers["loss_gap"] < 1e-4  # the sharded fp32 model's loss is what training measured
     in_pod = run_validate(str(model.ref), eval_cfg, store)
     assert verdict.numbers["val_loss"] == pytest.approx(in_pod.numbers["val_loss"], rel=1e-5)
