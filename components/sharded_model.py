@@ -40,9 +40,32 @@ def export_bytes(manifest: Manifest) -> int:
 def in_pod(cfg: EvalConfig, manifest: Manifest, pod_memory_gb: float) -> bool:
     """Whether the stage loads the model in its own KFP pod (`eval.launch`: pod | replicas |
     auto: in the pod while its memory holds POD_COPIES of the fp32 weights)."""
-    if cfg.launch != "auto":
-        return cfg.launch == "pod"
-    return POD_COPIES * export_bytes(manifest) <= pod_memory_gb * 1e9
+    return fits_pod(cfg.launch, export_bytes(manifest), pod_memory_gb)
+
+
+def fits_pod(launch: str, weight_bytes: float, pod_memory_gb: float) -> bool:
+    if launch != "auto":
+        return launch == "pod"
+    return POD_COPIES * weight_bytes <= pod_memory_gb * 1e9
+
+
+def eval_plan(cfg, params: int, root_params: int, device_memory_gb: float) -> tuple[str, bool]:
+    """Where validate and evaluate will load a model of `params` parameters (`root_params` of
+    them the embeddings, head and final norm, which FSDP2 keeps gathered after the first
+    forward) and what a device holds there: (the plan's line, whether it fits)."""
+    weights, ev = params * 4, cfg.eval
+    if fits_pod(ev.launch, weights, cfg.kfp.eval_memory_gb):
+        return (f"in their KFP pod: {POD_COPIES} x {weights / 1e9:.3g} GB of fp32 weights within "
+                f"kfp.eval_memory_gb={cfg.kfp.eval_memory_gb:g}"), True  # fmt: skip
+    world = cfg.cluster.nodes * cfg.cluster.procs_per_node
+    vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
+    shards = (weights - root_params * 4) / world + root_params * 4
+    logits = 2 * ev.batch_size * cfg.data.seq_len * vocab * 4  # a batch's fp32 logits and their loss
+    need = (shards + logits) / 1e9
+    line = (f"on {world} launched ranks (eval.launch={ev.launch}): {shards / 1e9:.2f} GB of fp32 weights per "
+            f"device (its shards, the embeddings and head whole) + {logits / 1e9:.2f} GB of logits "
+            f"(eval.batch_size={ev.batch_size}) = {need:.2f} GB of {device_memory_gb:.1f} GB")  # fmt: skip
+    return line, need <= device_memory_gb
 
 
 def export_head(store: ArtifactStore, manifest: Manifest) -> Path:

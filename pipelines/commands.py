@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from omegaconf import OmegaConf
@@ -130,6 +131,7 @@ def cmd_plan(args: list[str]) -> int:
         print(f"warning: {warning}")
     print()
     print(format_plan(p, device.memory_gb, safety))
+    print(eval_line(cfg, p.params, device.memory_gb))
     budget = device.memory_gb * safety
     if fits(p, device.memory_gb, safety):
         print(f"fits: {p.total_gb:.3f} GB of {budget:.2f} GB per device")
@@ -148,6 +150,17 @@ def cmd_plan(args: list[str]) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+def eval_line(cfg, params: int, device_memory_gb: float) -> str:
+    """Where validate and evaluate load the trained model, and whether it fits there."""
+    from components.model_math import param_tensors
+    from components.sharded_model import eval_plan
+
+    model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size)
+    root = sum(n for kind, n, _ in param_tensors(model) if kind in ("embed", "lm_head", "norm"))
+    where, fits = eval_plan(cfg, params, root, device_memory_gb)
+    return f"validate/evaluate: {where}" + ("" if fits else " (does not fit: more nodes, or a lower eval.batch_size)")
 
 
 def _plan_search(cfg) -> int:

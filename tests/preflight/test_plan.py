@@ -421,3 +421,28 @@ def test_pipeline_plans_a_stage_per_rank_and_a_bubble_that_more_micro_batches_sh
     assert many.tokens_per_s > few.tokens_per_s and inter.tokens_per_s > many.tokens_per_s
     assert many.activations_gb == pytest.approx(few.activations_gb)  # 4 micro-batches in flight either way
     assert max(p.mfu for p in (few, many, inter)) <= d.efficiency
+
+
+def test_plan_says_where_validate_and_evaluate_load_the_model_by_the_stages_own_rule(capsys, tmp_path):
+    """The 70B preset's eval pods request 16 GB: the plan sends the model to the 64 GPU ranks,
+    where its fp32 shards and a batch's logits fit an H200; a pod that holds three copies keeps
+    it. For the tiny model the plan decides as the stages decide on its real export's size."""
+    from components.sharded_model import POD_COPIES, fits_pod
+
+    assert main(["plan", "experiment=h200-70b"]) == 0
+    out = capsys.readouterr().out
+    line = re.search(r"^validate/evaluate: on 64 launched ranks .* = ([\d.]+) GB of 141\.0 GB$", out, re.M)
+    assert line and float(line.group(1)) < 141.0, out
+    main(["plan", "experiment=h200-70b", "kfp.eval_memory_gb=1000"])
+    pod = r"^validate/evaluate: in their KFP pod: 3 x 2\d\d GB of fp32 weights"
+    assert re.search(pod, capsys.readouterr().out, re.M)
+
+    cfg = OmegaConf.to_object(compose([]))
+    build_model(cfg.model, cfg.model.vocab_size or cfg.tokenizer.vocab_size, 0).save_pretrained(str(tmp_path))
+    exported = (tmp_path / "model.safetensors").stat().st_size  # what the stage reads off the manifest
+    capsys.readouterr()
+    for factor, where in ((0.9, r"on \d launched ranks"), (1.1, "in their KFP pod")):
+        pod_gb = POD_COPIES * exported * factor / 1e9
+        assert fits_pod("auto", exported, pod_gb) == (factor > 1)  # the stages' decision
+        main(["plan", f"kfp.eval_memory_gb={pod_gb}"])
+        assert re.search(f"^validate/evaluate: {where}", capsys.readouterr().out, re.M), (factor, pod_gb)
