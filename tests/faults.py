@@ -80,10 +80,13 @@ def install(job, state) -> None:
     if f.get("nan_weight"):
         from components.train.nonfinite import clean_name
 
-        weight = next(p for n, p in job.model.named_parameters() if clean_name(n) == f["nan_weight"])
+        # under pipeline parallelism only the rank whose stage holds it
+        weight = next((p for n, p in job.model.named_parameters() if clean_name(n) == f["nan_weight"]), None)
         saved: list = []
 
         def nan_weight(step: int) -> None:
+            if weight is None:
+                return
             with torch.no_grad():
                 if step in f["nan_weight_steps"] and not saved:
                     saved.append(weight.detach().clone())

@@ -11,12 +11,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from components import checkpoint_format
 from components.config import as_plain_dict
 from components.store import ArtifactStore, Ref, sha256_file
 from components.train.export import export_hf
 from components.train.job import Job, TrainState, micro_loss
+from components.train.nonfinite import forward_position
 from components.train.resume import Resumed
 from components.train.spec import WorkerResult
 
@@ -61,6 +63,7 @@ def finish(job: Job, state: TrainState, resumed: Resumed | None) -> WorkerResult
         job.rank,
     )
     job.watchdog.stop()
+    float8 = pipeline_float8_modules(job)
     if job.rank != 0:
         return None
     final = job.ckpt_root / f"step-{state.step}"  # the last step trains and saves; a resume at it loaded it
@@ -75,15 +78,25 @@ def finish(job: Job, state: TrainState, resumed: Resumed | None) -> WorkerResult
         publish_errors=job.checkpointer.publish_errors,
         world=job.world,
         precision=job.train.precision.value,
-        float8_linear_count=len(job.float8_modules),
-        float8_linear_modules=job.float8_modules,
-        wrapped_modules=wrapped_modules(job.model),
+        float8_linear_count=len(float8),
+        float8_linear_modules=float8,
+        wrapped_modules=wrapped_modules(job.model),  # rank 0's: under PP, its stages
         float8_cast_configs=job.recipe.describe(job.model, job.train)["float8_cast_configs"],
         forward_dtypes=job.forward_dtypes,  # e.g. a block norm's weight as the forward saw it
         resumed_from=str(resumed.ref) if resumed else None,
         start_step=resumed.step if resumed else 0,
         skipped_samples=state.skip_windows,  # a spike rollback's data windows (components/train/guards.py)
     )
+
+
+def pipeline_float8_modules(job: Job) -> list[str]:
+    """The model's Float8Linear modules: under pipeline parallelism each rank converted only its
+    stages', so rank 0's pipeline group joins theirs (a collective of every rank), in forward order."""
+    if job.pipeline is None:
+        return job.float8_modules
+    parts: list = [None] * dist.get_world_size(job.pipeline.group)
+    dist.all_gather_object(parts, job.float8_modules, group=job.pipeline.group)
+    return sorted({n for part in parts for n in part}, key=lambda n: (forward_position(n), n))
 
 
 def training_facts(job: Job) -> dict:

@@ -29,7 +29,7 @@ from components.train.handback import describe, finish, hand_back, training_fact
 from components.train.job import Job, TrainState, build_job, micro_loss
 from components.train.model import count_params
 from components.train.monitor import DeviceTimer, StepLine, device_peak_tflops, peak_memory_bytes, step_text
-from components.train.nonfinite import first_nonfinite_module
+from components.train.nonfinite import earliest_culprit, first_nonfinite_module
 from components.train.optim import clip_and_step, lr_at, set_lr
 from components.train.parallel import gradient_sync
 from components.train.profiler import Profiler
@@ -153,7 +153,7 @@ def record_outcome(job: Job, state: TrainState, finding, stepped: bool, step_los
     elif not spike:
         state.skipped += 1
         state.bad_in_row += 1
-        culprit = first_nonfinite_module(job.model, lambda b=first_batch: micro_loss(job, b))
+        culprit = earliest_culprit(first_nonfinite_module(job.model, lambda b=first_batch: micro_loss(job, b)))
         job.monitor.event(
             "nonfinite_step",
             step=state.step,

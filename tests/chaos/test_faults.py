@@ -111,6 +111,7 @@ def _zombie(pid: int) -> bool:
         return False
 
 
+@pytest.mark.chaos_slow  # 47 s: in `make chaos`; tests/test_local_pod.py kills a node in `make test`
 def test_killed_launcher_rerun_resumes_from_the_store_to_identical_weights(dataset_store, tmp_path, chaos):
     rec = chaos(
         "training launcher SIGKILLed mid-run (2 nodes), then rerun on a fresh machine (node disks and caches wiped)",

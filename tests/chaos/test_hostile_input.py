@@ -290,6 +290,7 @@ def tamper(store_root: Path, ref, rel: str, data: bytes) -> None:
     (version_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.chaos_slow  # 40 s, a training run and a resume: in `make chaos`, out of `make test`
 def test_code_in_stored_checkpoint_metadata_never_runs(dataset_store, tmp_path, chaos, capfd):
     import subprocess
     import sys

@@ -16,6 +16,7 @@ from tests.conftest import S3_ACCESS_KEY, S3_SECRET_KEY
 from tests.pipeline.test_local_run import FAST
 
 
+@pytest.mark.chaos_slow  # 68 s, a whole run over S3: in `make chaos`, out of `make test`
 def test_sentinel_credentials_appear_nowhere(s3_endpoint, s3_env, tmp_path, monkeypatch, capfd, caplog, chaos):
     rec = chaos(
         "whole tiny pipeline with sentinel MinIO credentials",

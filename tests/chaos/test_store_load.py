@@ -97,7 +97,7 @@ def run_load(endpoint: str, tmp: Path, writers: int, readers: int, seconds: floa
     "writers,readers,seconds",
     [
         pytest.param(4, 4, 5.0, id="4x4-5s"),
-        pytest.param(32, 32, 30.0, id="32x32-30s"),
+        pytest.param(32, 32, 30.0, id="32x32-30s", marks=pytest.mark.chaos_slow),  # 35 s: make chaos
     ],
 )
 def test_concurrent_publishers_and_readers(s3_endpoint, s3_env, tmp_path, chaos, writers, readers, seconds):

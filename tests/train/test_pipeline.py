@@ -85,3 +85,21 @@ def test_a_pipeline_checkpoint_resumes_data_parallel_with_the_weights_and_sample
     c = final_weights(again)
     assert a.keys() == c.keys() and max(float((a[k] - c[k]).abs().max()) for k in a) < 1e-6
     assert all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(losses_of(again), losses_of(pp), strict=True))
+
+
+def test_fp8_pipeline_names_a_later_stages_non_finite_module_and_every_stages_float8_linears(trainer):
+    """fp8 under PP=2 (4 blocks, two a stage): a NaN put into block 3's down projection at step
+    3 lives on the second stage, which rank 0 never runs: the step is skipped and its event
+    names that module (every rank's finding gathered, the earliest in the forward kept), and
+    the trained model's Float8Linear modules are both stages' (7 a block), not rank 0's half."""
+    with injected(nan_weight="model.layers.3.mlp.down_proj.weight", nan_weight_steps=[3]):
+        r = trainer.run(
+            "train.precision=fp8", "train.steps=4", "train.warmup_steps=1", "model.num_layers=4", *TWO_NODES,
+            "train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2", "train.activation_checkpointing=true",
+        )  # fmt: skip
+    bad = [e for e in read_records(r.metrics)[1] if e.get("kind") == "nonfinite_step"]
+    assert [(e["step"], e["first_nonfinite_module"]) for e in bad] == [(3, "model.layers.3.mlp.down_proj")]
+    assert r.result.skipped_steps == 1
+    assert r.result.float8_linear_count == 28
+    assert {m.split(".")[2] for m in r.result.float8_linear_modules} == {"0", "1", "2", "3"}
+    assert r.result.wrapped_modules["activation_checkpoint"] == 2  # rank 0's two blocks, checkpointed
