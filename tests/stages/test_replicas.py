@@ -124,3 +124,19 @@ def test_a_damaged_weight_block_fails_validate_on_replicas_naming_it(sharded_run
             run_validate(str(model.ref), defaults("eval", **EVAL), store, cluster, cfg, 1e-6)
     finally:
         store.backend.put_bytes(key, original)
+
+
+def test_three_ranks_on_one_node_reshard_the_two_rank_checkpoint_and_validate_it(sharded_run, tmp_path, monkeypatch):
+    """validate on 1 node x 3 processes: the checkpoint two ranks saved is loaded into uneven
+    thirds (64-wide tensors over 3 ranks), the node's first rank fetching for all three; the
+    checks hold and no optimizer state is on the node."""
+    trainer, run, _ = sharded_run
+    monkeypatch.chdir(tmp_path)
+    cfg, store = driver_store(trainer, tmp_path)
+    cluster = trainer.config("cluster.nodes=1", "cluster.procs_per_node=3").cluster
+    verdict = run_validate(str(run.model.ref), defaults("eval", **EVAL), store, cluster, cfg, 1e-6)
+    assert verdict.numbers["replicas"] == 3 and verdict.numbers["loss_gap"] < 1e-4
+    total = verdict.numbers["parameters"]
+    assert verdict.numbers["rank_params_sum"] == total and verdict.numbers["rank_params_max"] <= 0.4 * total
+    (held,) = (tmp_path / "validate-replicas").rglob("step-10")
+    assert {p.name for p in held.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # both halves, resharded
