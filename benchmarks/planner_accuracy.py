@@ -9,6 +9,16 @@ planned figure there adds the recipe's weight copies. The same again for one ran
 tensor-parallel pair (`train.tp=2`, under torch's fake process group: one process, a rank's
 real shards). `ratio` = measured / planned, the worst (farthest from 1) of fp32, bf16 and fp8,
 each with and without activation checkpointing, with tp 1 and 2; target [0.9, 1.1].
+
+Pipeline parallelism (`train.pp=2`, rows `pp2_<schedule>_rank<r>`): two real ranks under
+torchrun (gloo) run one optimizer step of 4 micro-batches through torch's schedule (1F1B,
+interleaved 1F1B, GPipe) on a 4-block model of the 125m width; each rank counts the bytes its
+saved-for-backward tensors hold while they live (a storage counted once, released when autograd
+drops the last tensor saved on it) and keeps the peak: its stage-micro-batches in flight as
+the schedule really orders them. Planned: `pipeline_activations` for that rank. fp32, without
+activation checkpointing (its checkpoint holds the block inputs outside the saved-tensor hooks).
+The second step is measured: torch's first step also infers the stages' shapes, and the first
+stage then holds 1.35x (a one-time cost the plan does not count).
 """
 
 from __future__ import annotations
@@ -106,7 +116,95 @@ def fake_tp_world(size: int = 2) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
 
 
+SHAPE_PP = {**SHAPE_125M, "vocab_size": 8000, "num_layers": 4}  # 4 blocks: 2 a rank, 1 a stage interleaved
+PP_SEQ, PP_MICRO, PP_STEPS = 256, 2, 4
+
+
+class _Held:
+    """A tensor saved for backward, counted in `live` while autograd keeps it."""
+
+    def __init__(self, t: torch.Tensor, storages: list[tuple[int, int]], counter: dict):
+        self.t, self.storages, self.counter = t, storages, counter
+        for ptr, nbytes in storages:
+            refs = counter["refs"]
+            refs[ptr] = refs.get(ptr, 0) + 1
+            counter["live"] += nbytes if refs[ptr] == 1 else 0
+        counter["peak"] = max(counter["peak"], counter["live"])
+
+    def __del__(self):
+        for ptr, nbytes in self.storages:
+            self.counter["refs"][ptr] -= 1
+            if self.counter["refs"][ptr] == 0:
+                del self.counter["refs"][ptr]
+                self.counter["live"] -= nbytes
+
+
+def pp_rank_peak(schedule: str, out: str) -> None:
+    """(one of 2 torchrun ranks) this rank's peak saved-for-backward bytes over one step of
+    `schedule`, and the planner's figure for it, into `out`.<rank>.json."""
+    import torch.distributed as dist
+
+    from components.precision import recipe
+    from components.preflight.plan import pipeline_activations, pipeline_shares
+    from components.train.model import build_model
+    from components.train.parallel import ParallelDims, parallelize
+    from components.train.pipeline_parallel import Pipeline
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_PP)
+    train = defaults("train", precision=Precision.fp32, activation_checkpointing=False, micro_batch_size=PP_MICRO,
+                     grad_accum_steps=PP_STEPS, pp=2, pp_schedule=schedule, parallelism=Parallelism.ddp)  # fmt: skip
+    cpu, precision = torch.device("cpu"), recipe(train.precision)
+    model = parallelize(build_model(model_cfg, model_cfg.vocab_size, seed=0), train, ParallelDims.of(train, 2), cpu,
+                        precision)  # fmt: skip
+    pipe = Pipeline.of(model, train, cpu)
+    params = {x.untyped_storage().data_ptr() for p in model.parameters() for x in _plain(p)}
+    counter = {"refs": {}, "live": 0, "peak": 0}
+
+    def pack(t: torch.Tensor) -> _Held:
+        kept = [(x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()) for x in _plain(t)]
+        return _Held(t, [k for k in kept if k[0] not in params], counter)
+
+    batch = torch.randint(0, model_cfg.vocab_size, (PP_MICRO * PP_STEPS, PP_SEQ + 1))
+    pipe.step(batch)  # the first step also infers the stages' shapes: the second is every later one
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
+        pipe.step(batch)
+    share = next(s for s in pipeline_shares(model_cfg, train) if s.rank == rank)
+    planned = pipeline_activations(model_cfg, train, PP_SEQ, share)
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump({"measured": counter["peak"], "planned": planned}, f)
+    dist.destroy_process_group()
+
+
+def pp_rows(schedules=("1f1b", "interleaved_1f1b", "gpipe")) -> dict:
+    """Each schedule's two ranks, measured under torchrun."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    rows = {}
+    for schedule in schedules:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = f"{tmp}/peak"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "-m", "benchmarks.planner_accuracy", "--pp-rank", schedule, out]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            subprocess.run(cmd, check=True, env=env, cwd=Path(__file__).parent.parent, stdout=subprocess.DEVNULL,
+                           timeout=600)  # fmt: skip
+            for rank in (0, 1):
+                got = json.loads(Path(f"{out}.{rank}.json").read_text())
+                key = f"pp2_{schedule}_rank{rank}"
+                rows[key] = {"measured_mb": got["measured"] / 1e6, "planned_mb": got["planned"] / 1e6,
+                             "ratio": got["measured"] / got["planned"]}  # fmt: skip
+                print(json.dumps({key: rows[key]}), flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--pp-rank"]:
+        return pp_rank_peak(argv[1], argv[2])
     torch.set_num_threads(2)
     model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
     seq_len, micro = 512, 2
@@ -127,6 +225,7 @@ def main(argv: list[str]) -> None:
                 key = f"{'tp2_' if tp > 1 else ''}{precision.value}{'_ac' if ac else ''}"
                 rows[key] = {"measured_mb": measured / 1e6, "planned_mb": planned / 1e6, "ratio": measured / planned}
                 print(json.dumps({key: rows[key]}), flush=True)
+    rows.update(pp_rows())
     worst_key = max(rows, key=lambda k: abs(rows[k]["ratio"] - 1))
     worst = rows[worst_key]
     report(

@@ -79,6 +79,18 @@ def test_fsdp_shards_and_ddp_replicates():
     assert fsdp.weights_gb == pytest.approx(ddp.weights_gb / 8)
 
 
+def test_a_pipeline_ranks_planned_activations_match_its_peak_under_torchs_1f1b():
+    """Two real ranks under torchrun run 1F1B (4 micro-batches, 4 blocks): the peak bytes each
+    rank's saved tensors hold while they live (the first stage 2 micro-batches in flight, the
+    last 1 and the head) against `pipeline_activations`, within 2%."""
+    from benchmarks.planner_accuracy import pp_rows
+
+    rows = pp_rows(("1f1b",))
+    assert set(rows) == {"pp2_1f1b_rank0", "pp2_1f1b_rank1"}
+    assert all(0.98 <= r["ratio"] <= 1.02 for r in rows.values()), rows
+    assert rows["pp2_1f1b_rank0"]["measured_mb"] > rows["pp2_1f1b_rank1"]["measured_mb"]  # two micro-batches held
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("ac", [False, True])
 def test_planned_activations_match_what_autograd_saves(precision, ac):
