@@ -20,7 +20,7 @@ def losses_of(run) -> list[float]:
 
 
 def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer):
-    """PP=2 with 1F1B and with interleaved 1F1B (2 nodes x 1 process, 2 micro-batches of 4
+    """PP=2 with 1F1B, interleaved 1F1B and GPipe (2 nodes x 1 process, 2 micro-batches of 4
     through the stages) and PP=2 x FSDP=2 (2 nodes x 2 processes, 2 x 2 each): the global batch
     of one process with 8. fp32, 10 steps: losses within 1e-4 relative and exported weights
     within 1e-4 of the one process. Rank 0's live module holds only its stages' parameters:
@@ -34,6 +34,10 @@ def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer)
         *common, *TWO_NODES, "train.pp=2", "train.pp_schedule=interleaved_1f1b", "train.micro_batch_size=4",
         "train.grad_accum_steps=2",
     )  # fmt: skip
+    gpipe = Trainer(trainer.dataset_store, trainer.tmp / "gpipe").run(
+        *common, *TWO_NODES, "train.pp=2", "train.pp_schedule=gpipe", "train.micro_batch_size=4",
+        "train.grad_accum_steps=2",
+    )  # fmt: skip
     pp_dp = Trainer(trainer.dataset_store, trainer.tmp / "pp_dp").run(
         *common, "cluster.nodes=2", "cluster.procs_per_node=2", "train.pp=2", "train.parallelism=fsdp",
         "train.micro_batch_size=2", "train.grad_accum_steps=2",
@@ -43,7 +47,8 @@ def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer)
     assert held[1]["pp_stages"] == 1 and held[1]["params_held"] == 1 + 2 * BLOCK_PARAMS  # embeddings, 2 blocks
     assert held[2]["pp_stages"] == 2 and held[2]["params_held"] == 1 + 2 * BLOCK_PARAMS
     assert held[3]["pp_stages"] == 1 and held[3]["fsdp"] == 3  # its 2 blocks and the stage
-    assert_trains_like(one, (pp, inter, pp_dp))
+    assert gpipe.result.wrapped_modules["pp_stages"] == 1
+    assert_trains_like(one, (pp, inter, gpipe, pp_dp))
 
 
 def test_a_pipeline_checkpoint_resumes_data_parallel_with_the_weights_and_samples_of_one_run(trainer):
