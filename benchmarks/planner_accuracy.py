@@ -237,6 +237,7 @@ def main(argv: list[str]) -> None:
         model="125m",
         seq_len=seq_len,
         micro_batch=micro,
+        pp_rows=f"4 blocks of the 125m width, vocab 8000, seq {PP_SEQ} x {PP_MICRO}, {PP_STEPS} micro-batches",
         **{f"ratio_{k}": round(v["ratio"], 4) for k, v in rows.items()},
     )
 

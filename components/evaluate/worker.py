@@ -66,9 +66,13 @@ class EvalFailed(RuntimeError):
 
 
 def measure_sharded(store: ArtifactStore, model_ref: str, data_ref: str, cfg, device: torch.device, rank: int) -> dict:
-    manifest = store.manifest(Ref.parse(model_ref))
-    data = store.manifest(Ref.parse(data_ref))
-    val = open_split(store, data, "val")
+    def inputs():  # every rank's reads of the store: a failure of any is said on all
+        manifest, data = store.manifest(Ref.parse(model_ref)), store.manifest(Ref.parse(data_ref))
+        return manifest, data, open_split(store, data, "val"), load_tokenizer(store.fetch(data))
+
+    (manifest, data, val, tokenizer), failures = everyone(inputs)
+    if failures:
+        raise EvalFailed(f"{model_ref}: {failures[0][1]}")
     if len(val) == 0:
         raise EvalFailed(f"{data.ref}: the val split has zero blocks; nothing to evaluate")
 
@@ -89,7 +93,6 @@ def measure_sharded(store: ArtifactStore, model_ref: str, data_ref: str, cfg, de
         model = load_sharded(store, manifest, device, store.cache_dir)
     except ShardedLoadFailed as e:
         raise EvalFailed(str(e)) from None
-    tokenizer = load_tokenizer(store.fetch(data))
     metrics = sharded_perplexity(model, val, cfg, token_byte_lengths(tokenizer, model.config.vocab_size), device)
     val.close()
     samples = greedy_samples(model, tokenizer, cfg.prompts, cfg.max_new_tokens, device, in_step=True)

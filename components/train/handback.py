@@ -62,8 +62,8 @@ def finish(job: Job, state: TrainState, resumed: Resumed | None) -> WorkerResult
         export_dir,
         job.rank,
     )
+    float8 = pipeline_float8_modules(job)  # a collective: still watched
     job.watchdog.stop()
-    float8 = pipeline_float8_modules(job)
     if job.rank != 0:
         return None
     final = job.ckpt_root / f"step-{state.step}"  # the last step trains and saves; a resume at it loaded it

@@ -59,7 +59,8 @@ def forward_position(name: str) -> tuple[int, int]:
 def earliest_culprit(mine: str | None) -> str | None:
     """The first non-finite module of the whole forward, from every rank's own (a collective):
     under pipeline parallelism each rank sees only its stages' modules, and under data
-    parallelism its own batch. Ties go to the lowest rank."""
+    parallelism its own batch. Within one block (a stage holds it whole, so only data-parallel
+    ranks tie there) the lowest rank's is kept."""
     found: list = [None] * dist.get_world_size()
     dist.all_gather_object(found, mine)
     named = [(forward_position(n), rank, n) for rank, n in enumerate(found) if n is not None]

@@ -152,7 +152,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.module.has_first else ()
         target = targets if self.module.has_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.module.has_last else None)
+        # return_outputs=False: the last stage would keep every micro-batch's logits and join them
+        self.schedule.step(*args, target=target, losses=losses if self.module.has_last else None, return_outputs=False)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach() for loss in losses]).sum()

@@ -76,9 +76,9 @@ def losses_hold(verdict: Verdict, loss_of, val, data_ref: str, model: Manifest, 
     # the first val blocks, recomputed here from the stored weights in fp32: a wrong export, a
     # stale artifact or lost weights cannot agree
     recorded, n = model.metadata.get("probe_loss"), model.metadata.get("probe_blocks", 0)
-    if recorded is None:
+    if recorded is None or not isinstance(n, int) or n <= 0:
         raise ValidationFailed(f"{model.ref}: its manifest records no probe loss to check against")
-    probe, _ = loss_of(n, n)
+    probe, _ = loss_of(n, min(n, cfg.batch_size))
     if not abs(probe - recorded) <= cfg.loss_tolerance:
         raise ValidationFailed(
             f"loss check: the stored model's loss on the first {n} val blocks is {probe:.4f}, training "

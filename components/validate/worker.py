@@ -131,7 +131,7 @@ def sharded_mean_loss(model, blocks, n_blocks: int, batch_size: int, device) -> 
 def sharded_validate(store: ArtifactStore, model_ref: str, cfg, device: torch.device) -> tuple[Verdict, int]:
     """The verdict, and the parameter elements this rank held."""
     verdict = Verdict()
-    manifest = store.manifest(Ref.parse(model_ref))
+    manifest = collectively(lambda: store.manifest(Ref.parse(model_ref)), f"model {model_ref}")
     ckpt_ref, data_ref = checkpoint_of(manifest), next((p for p in manifest.parents if p.startswith("dataset/")), None)
     if ckpt_ref is None or data_ref is None:
         raise ValidationFailed(f"{model_ref}: its lineage names no checkpoint or dataset ({manifest.parents})")
@@ -149,7 +149,7 @@ def sharded_validate(store: ArtifactStore, model_ref: str, cfg, device: torch.de
         raise ValidationFailed(f"model {model_ref}: its export is not the model: {'; '.join(problems[:3])}")
     verdict.passed("export_loads_sharded", parameters=sum(p.numel() for p in model.parameters()))
     weights_agree(verdict, {k: v for rank in gathered(differ) for k, v in rank.items()}, ckpt_ref, model_ref)
-    val = open_split(store, store.manifest(Ref.parse(data_ref)), "val")
+    val = collectively(lambda: open_split(store, store.manifest(Ref.parse(data_ref)), "val"), f"dataset {data_ref}")
     losses_hold(verdict, lambda n, size: sharded_mean_loss(model, val, n, size, device), val, data_ref, manifest, cfg)
     val.close()
     return verdict, held
