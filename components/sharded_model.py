@@ -26,6 +26,8 @@ from components.worker_side import WorkerSpec
 
 log = logging.getLogger(__name__)
 
+REPLICA_TIMEOUT_S = 3600.0  # a collective's wait: rank 0 counting the unigram baseline, a node fetching an export
+
 # validate holds two fp32 copies of the weights in its pod (the export it loads, the checkpoint's
 # to compare), evaluate one and a baseline's; the third is the headroom (activations, logits, the
 # unigram counts): the pod is used while it holds POD_COPIES of them
@@ -71,7 +73,7 @@ def eval_plan(cfg, params: int, root_params: int, device_memory_gb: float) -> tu
 def export_head(store: ArtifactStore, manifest: Manifest) -> Path:
     """The export's files but its weights (config, tokenizer, training curves), verified, where
     a whole fetch would put them: what a driver reads of a model it does not load."""
-    dest = store.cache_dir / manifest.ref.kind / manifest.ref.name / manifest.ref.version
+    dest = store.cache_dir / manifest.ref.prefix
     for rel in manifest.files:
         if not rel.endswith(".safetensors"):
             store.fetch_file(manifest, rel, dest / rel)
@@ -80,6 +82,10 @@ def export_head(store: ArtifactStore, manifest: Manifest) -> Path:
 
 def checkpoint_of(manifest: Manifest) -> str | None:
     return next((p for p in manifest.parents if p.startswith("checkpoint/")), None)
+
+
+def dataset_of(manifest: Manifest) -> str | None:
+    return next((p for p in manifest.parents if p.startswith("dataset/")), None)
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,7 @@ def launch_replicas(module: str, stage: str, cfg: EvalConfig, models: list[str],
 
     launch_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     run = f"{stage}-{Ref.parse(models[0]).name}"
-    first = store.manifest(Ref.parse(models[0]))
-    dataset = next((p for p in first.parents if p.startswith("dataset/")), "")
+    dataset = dataset_of(store.manifest(Ref.parse(models[0]))) or ""
     spec = ReplicaSpec(cfg, replica_store(store_cfg, cluster), list(models), dataset, run, launch_id)
     where = Path(f"{stage}-replicas").resolve() / launch_id  # the task's own directory (its pod's disk)
     launch = Launch(module, spec, cluster, f"{stage}-{launch_id[-8:]}", where / "logs", where / "nodes")
@@ -114,11 +119,40 @@ def launch_replicas(module: str, stage: str, cfg: EvalConfig, models: list[str],
     return json.loads((record / "result.json").read_text())
 
 
-def hand_back(store: ArtifactStore, spec: ReplicaSpec, result: dict) -> None:
-    """Rank 0's result, published where the driver reads it."""
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "result.json").write_text(json.dumps(result, indent=2))
-        store.publish("run", spec.run, spec.launch_id, Path(tmp), parents=spec.models)
+def run_replica(argv: list[str] | None, work, failed: type[Exception]) -> int:
+    """A stage worker's life on one rank: its spec, the process group and the store; then
+    `work(spec, store, rank, device)`, the result rank 0 publishes where the driver reads it
+    (`{"failed": why}` when `work` raised `failed`, which it raises on every rank alike)."""
+    import torch.distributed as dist
+
+    from components.distributed import init_distributed
+    from components.store import open_store
+    from components.worker_side import worker_spec
+
+    spec = worker_spec(argv, ReplicaSpec)
+    rank, _, device = init_distributed(timeout_s=REPLICA_TIMEOUT_S)
+    store = open_store(spec.store)
+    try:
+        result = work(spec, store, rank, device)
+    except failed as e:
+        result = {"failed": str(e)}
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "result.json").write_text(json.dumps(result, indent=2))
+            store.publish("run", spec.run, spec.launch_id, Path(tmp), parents=spec.models)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def collectively(step, what: str, failed: type[Exception]):
+    """`step` on this rank; any rank's failure raised on every rank alike: the store's as
+    StoreError (not the model's fault), anything else as `failed` naming `what`."""
+    result, failures = everyone(step)
+    if failures:
+        kind, why = failures[0]
+        raise (StoreError if kind == "store" else failed)(f"{what}: {why}")
+    return result
 
 
 class ShardedLoadFailed(RuntimeError):
@@ -159,9 +193,8 @@ def load_sharded(store: ArtifactStore, model: Manifest, device: torch.device, ro
     ckpt_ref = checkpoint_of(model)
     if ckpt_ref is None:
         raise ShardedLoadFailed(f"{model.ref}: its lineage names no checkpoint")
-    config, failures = everyone(lambda: store.fetch_file(model, "config.json", config_path(root, model)))
-    if failures:
-        raise (StoreError if failures[0][0] == "store" else ShardedLoadFailed)(f"{model.ref}: {failures[0][1]}")
+    config = collectively(lambda: store.fetch_file(model, "config.json", config_path(root, model)), str(model.ref),
+                          ShardedLoadFailed)  # fmt: skip
     sharded = build_sharded(config.parent, device)
     weights = get_model_state_dict(sharded)  # this rank's shards (DTensors)
     ckpt = Ref.parse(ckpt_ref)

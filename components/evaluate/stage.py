@@ -16,7 +16,7 @@ from components.config import ClusterConfig, EvalConfig, StoreConfig
 from components.evaluate.metrics import greedy_samples, perplexity, token_byte_lengths, unigram_perplexity
 from components.evaluate.report import identity_rows, report_html
 from components.hf import load_hf_model
-from components.sharded_model import checkpoint_of, export_head, in_pod, launch_replicas
+from components.sharded_model import checkpoint_of, dataset_of, export_head, in_pod, launch_replicas
 from components.store import ArtifactStore, Manifest, Ref
 from components.stream import open_split
 
@@ -127,7 +127,7 @@ def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore, cluster:
     """In this pod, or on launched replicas when the model does not fit it (`eval.launch`)."""
     check_lm_eval_tasks(cfg.lm_eval_tasks)
     model_manifest = store.manifest(Ref.parse(model_ref))
-    data_ref = next((p for p in model_manifest.parents if p.startswith("dataset/")), None)
+    data_ref = dataset_of(model_manifest)
     if data_ref is None:
         raise EvalInputError(f"{model_ref}: its lineage names no dataset")
     data = store.manifest(Ref.parse(data_ref))

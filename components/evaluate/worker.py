@@ -18,23 +18,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from components.blocks import load_tokenizer
 from components.checkpoint_fetch import everyone
-from components.distributed import init_distributed
 from components.evaluate.metrics import greedy_samples, perplexity_metrics, token_byte_lengths, unigram_perplexity
 from components.evaluate.stage import UNIGRAM_CACHE_GB
-from components.sharded_model import (
-    ReplicaSpec,
-    ShardedLoadFailed,
-    config_path,
-    hand_back,
-    load_sharded,
-    my_batches,
-    summed,
-)
-from components.store import ArtifactStore, Ref, open_store
+from components.sharded_model import ShardedLoadFailed, config_path, load_sharded, my_batches, run_replica, summed
+from components.store import ArtifactStore, Ref
 from components.stream import open_split
-from components.worker_side import worker_spec
-
-TIMEOUT_S = 3600.0  # rank 0 counting the unigram baseline while its peers wait
 
 
 def sharded_perplexity(model, blocks, cfg, byte_lengths: np.ndarray, device) -> dict[str, float]:
@@ -103,22 +91,14 @@ def measure_sharded(store: ArtifactStore, model_ref: str, data_ref: str, cfg, de
     return {"metrics": metrics, "samples": samples}
 
 
+def evaluate_here(spec, store: ArtifactStore, rank: int, device: torch.device) -> dict:
+    """This rank's part of evaluate: every model on the first model's val split, as in the pod."""
+    return {"measured": [measure_sharded(store, ref, spec.dataset, spec.eval, device, rank) for ref in spec.models]}
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
-    spec = worker_spec(argv, ReplicaSpec)
-    rank, _, device = init_distributed(timeout_s=TIMEOUT_S)
-    store = open_store(spec.store)
-    try:  # every model on the first model's val split, as in the pod
-        result = {
-            "measured": [measure_sharded(store, ref, spec.dataset, spec.eval, device, rank) for ref in spec.models]
-        }
-    except EvalFailed as e:
-        result = {"failed": str(e)}
-    if rank == 0:
-        hand_back(store, spec, result)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return run_replica(argv, evaluate_here, EvalFailed)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from components.checkpoint_fetch import fetch_weights
 from components.checkpoint_format import CheckpointError
 from components.config import ClusterConfig, EvalConfig, StoreConfig
 from components.hf import ModelLoadError, load_hf_model
-from components.sharded_model import in_pod, launch_replicas
+from components.sharded_model import checkpoint_of, dataset_of, in_pod, launch_replicas
 from components.store import ArtifactStore, IntegrityError, Ref, StoreError
 from components.stream import open_split
 from components.validate.checks import (
@@ -47,8 +47,7 @@ def validate_in_pod(model_ref: str, model_manifest, eval_cfg: EvalConfig, store:
     model_dir = store.fetch(model_manifest)
     verdict.passed("model_hashes", model_files=verify_files(model_dir, model_manifest))
 
-    ckpt_ref = next((p for p in model_manifest.parents if p.startswith("checkpoint/")), None)
-    data_ref = next((p for p in model_manifest.parents if p.startswith("dataset/")), None)
+    ckpt_ref, data_ref = checkpoint_of(model_manifest), dataset_of(model_manifest)
     if ckpt_ref is None or data_ref is None:
         raise ValidationFailed(f"{model_ref}: its lineage names no checkpoint or dataset ({model_manifest.parents})")
     try:

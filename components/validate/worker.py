@@ -23,34 +23,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from components.checkpoint_fetch import everyone
-from components.distributed import init_distributed
 from components.sharded_model import (
-    ReplicaSpec,
     ShardedLoadFailed,
     checkpoint_of,
-    hand_back,
+    collectively,
+    dataset_of,
     load_sharded,
     local_numel,
     my_batches,
+    run_replica,
     summed,
 )
-from components.store import ArtifactStore, Manifest, Ref, StoreError, open_store
+from components.store import ArtifactStore, Manifest, Ref
 from components.stream import open_split
 from components.validate.checks import ValidationFailed, Verdict, losses_hold, verify_files, weights_agree
-from components.worker_side import worker_spec
-
-TIMEOUT_S = 3600.0  # a node fetching a large export while its peers wait
-
-
-def collectively(step, what: str):
-    """`step` on this rank; any rank's failure raised on every rank: the store's as StoreError
-    (not the model's fault), anything else as ValidationFailed naming `what`."""
-    result, failures = everyone(step)
-    if failures:
-        kind, why = failures[0]
-        raise (StoreError if kind == "store" else ValidationFailed)(f"{what}: {why}")
-    return result
 
 
 def fetch_export(store: ArtifactStore, model: Manifest) -> Path:
@@ -61,7 +47,7 @@ def fetch_export(store: ArtifactStore, model: Manifest) -> Path:
         if leader:
             verify_files(store.fetch(model), model)
 
-    collectively(fetch, f"model {model.ref}")
+    collectively(fetch, f"model {model.ref}", ValidationFailed)
     return store.fetch(model)  # a verified copy is there now: the cache's stamp answers
 
 
@@ -131,8 +117,8 @@ def sharded_mean_loss(model, blocks, n_blocks: int, batch_size: int, device) -> 
 def sharded_validate(store: ArtifactStore, model_ref: str, cfg, device: torch.device) -> tuple[Verdict, int]:
     """The verdict, and the parameter elements this rank held."""
     verdict = Verdict()
-    manifest = collectively(lambda: store.manifest(Ref.parse(model_ref)), f"model {model_ref}")
-    ckpt_ref, data_ref = checkpoint_of(manifest), next((p for p in manifest.parents if p.startswith("dataset/")), None)
+    manifest = collectively(lambda: store.manifest(Ref.parse(model_ref)), f"model {model_ref}", ValidationFailed)
+    ckpt_ref, data_ref = checkpoint_of(manifest), dataset_of(manifest)
     if ckpt_ref is None or data_ref is None:
         raise ValidationFailed(f"{model_ref}: its lineage names no checkpoint or dataset ({manifest.parents})")
     model_dir = fetch_export(store, manifest)
@@ -143,36 +129,30 @@ def sharded_validate(store: ArtifactStore, model_ref: str, cfg, device: torch.de
         raise ValidationFailed(str(e)) from None
     held = local_numel(model)  # loaded: its shards (the root's are gathered by the first forward and kept)
     verdict.passed("checkpoint_hashes", replicas=dist.get_world_size())
-    problems, differ = collectively(lambda: compare_shards(model, model_dir), f"model {model_ref}")
+    problems, differ = collectively(lambda: compare_shards(model, model_dir), f"model {model_ref}", ValidationFailed)
     problems = sorted({p for rank in gathered(problems) for p in rank})
     if problems:
         raise ValidationFailed(f"model {model_ref}: its export is not the model: {'; '.join(problems[:3])}")
     verdict.passed("export_loads_sharded", parameters=sum(p.numel() for p in model.parameters()))
     weights_agree(verdict, {k: v for rank in gathered(differ) for k, v in rank.items()}, ckpt_ref, model_ref)
-    val = collectively(lambda: open_split(store, store.manifest(Ref.parse(data_ref)), "val"), f"dataset {data_ref}")
+    val = collectively(lambda: open_split(store, store.manifest(Ref.parse(data_ref)), "val"), f"dataset {data_ref}",
+                       ValidationFailed)  # fmt: skip
     losses_hold(verdict, lambda n, size: sharded_mean_loss(model, val, n, size, device), val, data_ref, manifest, cfg)
     val.close()
     return verdict, held
 
 
+def validate_here(spec, store: ArtifactStore, rank: int, device: torch.device) -> dict:
+    """This rank's part of validate; the verdict with each rank's share of the parameters."""
+    verdict, held = sharded_validate(store, spec.models[0], spec.eval, device)
+    held = gathered(held)  # what each rank's memory held of the weights: its shards
+    return {"checks": verdict.checks, "numbers": {**verdict.numbers, "rank_params_max": max(held),
+                                                  "rank_params_sum": sum(held)}}  # fmt: skip
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
-    spec = worker_spec(argv, ReplicaSpec)
-    rank, _, device = init_distributed(timeout_s=TIMEOUT_S)
-    store = open_store(spec.store)
-    try:
-        verdict, held = sharded_validate(store, spec.models[0], spec.eval, device)
-        result = {"checks": verdict.checks, "numbers": verdict.numbers}
-    except ValidationFailed as e:  # raised on every rank alike
-        result, held = {"failed": str(e)}, 0
-    held = gathered(held)  # what each rank's memory held of the weights: its shards
-    if "numbers" in result:
-        result["numbers"].update(rank_params_max=max(held), rank_params_sum=sum(held))
-    if rank == 0:
-        hand_back(store, spec, result)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return run_replica(argv, validate_here, ValidationFailed)
 
 
 if __name__ == "__main__":
