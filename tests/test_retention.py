@@ -111,3 +111,21 @@ def test_versions_without_identity_metadata_are_read_from_their_name(store, tmp_
 def test_retention_keeps_at_least_one(store, keep):
     with pytest.raises(ValueError, match="keep at least the newest checkpoint"):
         apply_retention(store, "tiny", IDENT, keep=keep)
+
+
+def test_a_quarantined_versions_parents_are_still_kept(store, tmp_path):
+    """model -> checkpoint B (a run continued from A, since quarantined) -> seed checkpoint A:
+    B's manifest is gone from the store's view, but its lineage still counts, so A survives."""
+    ours = {s: checkpoint(store, tmp_path, IDENT, s) for s in (10, 20, 30)}
+    seed = ours[10]
+    b = checkpoint(store, tmp_path, OTHER, 40, [str(seed)])
+    model = leaf(store, tmp_path, "model", "tiny", "r1", [str(b)])
+    store.quarantine(b, "does not verify: test")
+    assert not store.exists(b) and store.quarantined(b) is not None
+
+    deleted = apply_retention(store, "tiny", IDENT, keep=1)
+
+    assert store.exists(seed) and store.verify(seed) == []  # the seed, reached only through B
+    assert f"{seed.prefix}/manifest.json" in stored(store, seed)
+    assert deleted == [ours[20]] and stored(store, ours[20]) == []  # retention ran: the unnamed older step went
+    assert store.exists(model) and store.quarantined(b) is not None

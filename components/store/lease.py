@@ -71,6 +71,17 @@ def default_holder(launch: str | None = None) -> str:
     return f"{who} (launch {launch})" if launch else who
 
 
+def check_held_by_launch(store: ArtifactStore, name: str, launch: str, what: str = "training identity") -> None:
+    """LeaseLost unless lease `name` in the store is held, unreleased, by launch `launch`'s
+    driver (`default_holder(launch)`): what a replica checks before it publishes a run's
+    result, so a run whose driver lost the lease to another run publishes no model."""
+    lease = Lease(store, name, default_holder(launch), ttl_s=1.0, what=what)
+    record = lease.current()
+    if record is None or record["released"] or not record["holder"].endswith(f"(launch {launch})"):
+        holder = record["holder"] if record else "nobody"
+        raise LeaseLost(f"{what} {name}: the lease is no longer this run's (held by {holder}); not publishing")
+
+
 class Lease:
     def __init__(
         self,

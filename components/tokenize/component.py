@@ -12,9 +12,11 @@ def tokenize_plan(data: dict, tokenizer: dict, model: dict, store: dict, plan: O
     shard (the ParallelFor's items). The `plan` artifact points at the plan in the store."""
     import json
 
+    from components.store.keys import utc_now
     from components.task import stage_task
-    from components.tokenize.plan import make_plan
+    from components.tokenize.plan import make_plan, shard_items
 
+    began = utc_now()
     with stage_task("tokenize-plan", data=data, tokenizer=tokenizer, model=model, store=store) as task:
         g = task.groups
         made, stored = make_plan(g["data"], g["tokenizer"], g["model"], task.store)
@@ -22,7 +24,7 @@ def tokenize_plan(data: dict, tokenizer: dict, model: dict, store: dict, plan: O
         with open(plan.path, "w") as f:
             json.dump({"ref": ref, "dataset": str(made.dataset), "shards": made.shards}, f)
         plan.metadata.update({"ref": ref, "dataset": str(made.dataset), "shards": made.shards, "reused": stored})
-        items = [{"plan": ref, "index": i} for i in range(made.shards)]
+        items = shard_items(made, task.store, began)
     return items
 
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,6 +164,30 @@ def make_plan(data: DataConfig, tok: TokenizerConfig, model: ModelConfig, store:
         meta = {"dataset": str(dataset), "shards": plan.shards, "tokenizer": as_plain_dict(tok)}
         store.publish("tokenizer", tok_ref.name, tok_ref.version, Path(tmp), metadata=meta)
     return plan, False
+
+
+def shard_items(plan: Plan, store: ArtifactStore, began: str) -> list[dict]:
+    """The ParallelFor's items, one per shard task; KFP's cache (kfp.local's and a cluster's)
+    keys a shard task on its item and hands back the shard ref it returned last time, which the
+    store may have lost since (a wiped store, an emptied bucket, `artifacts rm`, a lifecycle
+    rule). So an item names what it stands on: `planned`, the plan's commit time (a store that
+    lost the plan commits it anew: no earlier task's cache entry matches), and, for a shard the
+    store lacks although the plan predates this task (`began`), a fresh `rerun` token: that task
+    runs again instead of handing back a ref to nothing. A shard of a plan made just now has no
+    token, so the next run of the same config is a cache hit."""
+    planned = store.manifest(plan.tokenizer).created
+    stored = store.backend.list_manifests(f"shard/{plan.dataset.name}")
+    items, gone = [], 0
+    for index in range(plan.shards):
+        item = {"plan": str(plan.tokenizer), "index": index, "planned": planned}
+        if plan.shard_ref(index).version not in stored and planned < began:
+            item["rerun"] = uuid.uuid4().hex
+            gone += 1
+        items.append(item)
+    if gone:
+        log.warning("%d shard(s) of %s planned before are not in %s: tokenizing them again, whatever "
+                    "the pipeline's cache holds", gone, plan.dataset, store.description)  # fmt: skip
+    return items
 
 
 def load_plan(store: ArtifactStore, tokenizer: str | Ref) -> Plan:

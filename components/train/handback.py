@@ -16,6 +16,7 @@ import torch.distributed as dist
 from components import checkpoint_format
 from components.config import as_plain_dict
 from components.store import ArtifactStore, Ref, sha256_file
+from components.store.lease import check_held_by_launch
 from components.train.export import export_hf
 from components.train.job import Job, TrainState, micro_loss
 from components.train.nonfinite import forward_position
@@ -179,7 +180,9 @@ def hand_back(job: Job, result: WorkerResult) -> None:
     """Rank 0 returns everything through the store, the one thing a driver pod shares with
     the replicas: the model (Hugging Face export plus the training records), then the run's
     record (`run/<identity>@<launch id>`: the result and metrics.jsonl) naming it. The model
-    carries the training records and the TensorBoard events, so they outlive the pods."""
+    carries the training records and the TensorBoard events, so they outlive the pods. Nothing is
+    published once the driver has lost the run's lease to another run of this identity."""
+    check_held_by_launch(job.store, job.identity, job.spec.launch_id)
     run_dir, export = Path(job.spec.run_dir), Path(job.spec.run_dir) / "export"
     shutil.copyfile(run_dir / "metrics.jsonl", export / "training_metrics.jsonl")
     if (run_dir / "tensorboard").is_dir():  # the run's one event file (train/ and val/ scalars)

@@ -174,8 +174,10 @@ def run_train(
     # one run per training identity per store: a second one fails at once, naming the holder
     lease = Lease(store, identity, default_holder(launch.spec.launch_id), ttl_s=LEASE_TTL_S)
     with sigterm_exits(), lease.hold():  # a stopped driver releases the lease wherever it is stopped
-        run_app(launch)
-        lease.check()  # a lease lost to another run (it expired in a store outage): its result is not ours
+        try:
+            run_app(launch)  # its replicas publish no model once the lease is not this launch's
+        finally:
+            lease.check()  # a lease lost to another run (it expired in a store outage): its result is not ours
     # the store is the only channel back from the replicas: nothing is read from their disks
     record = store.fetch(store.manifest(Ref("run", identity, launch.spec.launch_id)))
     result = WorkerResult.from_json(json.loads((record / "result.json").read_text()))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from components.store import Manifest, sha256_file
+from components.store import ArtifactStore, IntegrityError, Manifest, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,24 @@ def verify_files(local: Path, manifest: Manifest) -> int:
         if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
             raise ValidationFailed(f"{rel}: sha256 does not match the manifest of {manifest.ref}")
     return len(manifest.files)
+
+
+def fetch_verified_export(store: ArtifactStore, model: Manifest) -> Path:
+    """The model's export, fetched and every file re-hashed. When its bytes do not match the
+    manifest, the stored version is re-hashed too: a damaged stored version is quarantined, so
+    it no longer exists and the next run's train stage publishes it again from its checkpoint
+    (the same weights re-exported: the version heals) instead of handing the damaged one back."""
+    try:
+        local = store.fetch(model)
+        verify_files(local, model)
+        return local
+    except (IntegrityError, ValidationFailed) as e:
+        if not store.check(model.ref):  # the stored bytes verify: only this pod's copy was damaged
+            raise ValidationFailed(str(e)) from None
+        raise ValidationFailed(
+            f"{model.ref} does not match its manifest in {store.description} ({e}); quarantined it: "
+            "rerun to re-export it from its checkpoint (training again if that is damaged too)"
+        ) from None
 
 
 def load_checkpoint_weights(ckpt_dir: Path, hf_model, into: dict | None = None) -> dict[str, torch.Tensor]:

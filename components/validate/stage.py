@@ -17,10 +17,10 @@ from components.stream import open_split
 from components.validate.checks import (
     ValidationFailed,
     Verdict,
+    fetch_verified_export,
     load_checkpoint_weights,
     losses_hold,
     mean_loss,
-    verify_files,
     weights_agree,
 )
 
@@ -44,8 +44,8 @@ def run_validate(model_ref: str, eval_cfg: EvalConfig, store: ArtifactStore, clu
 
 def validate_in_pod(model_ref: str, model_manifest, eval_cfg: EvalConfig, store: ArtifactStore) -> Verdict:
     verdict = Verdict()
-    model_dir = store.fetch(model_manifest)
-    verdict.passed("model_hashes", model_files=verify_files(model_dir, model_manifest))
+    model_dir = fetch_verified_export(store, model_manifest)
+    verdict.passed("model_hashes", model_files=len(model_manifest.files))
 
     ckpt_ref, data_ref = checkpoint_of(model_manifest), dataset_of(model_manifest)
     if ckpt_ref is None or data_ref is None:

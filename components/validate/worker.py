@@ -36,7 +36,7 @@ from components.sharded_model import (
 )
 from components.store import ArtifactStore, Manifest, Ref
 from components.stream import open_split
-from components.validate.checks import ValidationFailed, Verdict, losses_hold, verify_files, weights_agree
+from components.validate.checks import ValidationFailed, Verdict, fetch_verified_export, losses_hold, weights_agree
 
 
 def fetch_export(store: ArtifactStore, model: Manifest) -> Path:
@@ -45,7 +45,7 @@ def fetch_export(store: ArtifactStore, model: Manifest) -> Path:
 
     def fetch() -> None:
         if leader:
-            verify_files(store.fetch(model), model)
+            fetch_verified_export(store, model)  # a damaged stored version is quarantined
 
     collectively(fetch, f"model {model.ref}", ValidationFailed)
     return store.fetch(model)  # a verified copy is there now: the cache's stamp answers

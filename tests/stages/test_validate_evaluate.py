@@ -217,3 +217,44 @@ def test_zero_val_blocks_is_a_clear_error(trained, tmp_path):
     empty = store.publish("dataset", "empty-val", "v1", store.fetch(data), metadata=meta, parents=data.parents)
     with pytest.raises(EvalInputError, match="val split has zero blocks"):
         measure(store.fetch(model), store, empty, defaults("eval"))
+
+
+@pytest.mark.parametrize("backend", ["local", "minio"])
+def test_a_damaged_stored_model_is_quarantined_and_the_rerun_exports_it_again(trained, tmp_path, backend, request):
+    """One flipped byte in the stored model.safetensors: validate quarantines the version and says
+    so; the rerun's train stage (same identity: it resumes at its final step and trains no step)
+    publishes the same weights under the same version again, and validate passes."""
+    import uuid
+
+    from components.config import StoreBackend
+    from components.store import open_store
+    from tests.conftest import Trainer
+
+    trainer, ref = trained
+    rerun = Trainer(trainer.dataset_store, tmp_path / "rerun")
+    if backend == "minio":
+        request.getfixturevalue("s3_env")
+        cfg = defaults("store", backend=StoreBackend.minio, bucket=f"t-{uuid.uuid4().hex[:12]}", root="",
+                       cache_dir=str(tmp_path / "cache"), timeout_s=10.0)  # fmt: skip
+    else:
+        cfg = defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache"))
+    store = open_store(cfg)
+    source = Path(trainer.store_cfg.root)
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        store.backend.put_file(path.relative_to(source).as_posix(), path)
+    rerun.store_cfg, rerun.store = cfg, store
+    key = f"{Ref.parse(ref).prefix}/model.safetensors"
+    data = bytearray(store.backend.get_bytes(key))
+    data[len(data) // 2] ^= 0x01
+    store.backend.put_bytes(key, bytes(data))
+
+    with pytest.raises(ValidationFailed, match=r"model.safetensors.*quarantined it: rerun to re-export it"):
+        run_validate(ref, defaults("eval"), store)
+    assert not store.exists(Ref.parse(ref)) and store.quarantined(Ref.parse(ref)) is not None
+
+    again = rerun.run("train.steps=60")
+    assert again.result.start_step == 60  # resumed at the final checkpoint: re-exported, not retrained
+    assert str(again.model.ref) == ref and store.quarantined(Ref.parse(ref)) is None
+    assert store.backend.get_bytes(key) != bytes(data)  # the stored bytes are the export's again
+    verdict = run_validate(ref, defaults("eval"), store)
+    assert verdict.checks["model_hashes"] and verdict.checks["loss_agrees"]
