@@ -100,3 +100,39 @@ def created_after(created: str, t: float) -> bool:
     from datetime import datetime
 
     return datetime.fromisoformat(created).timestamp() > t
+
+
+# the CLI's side of a stop (pipelines/local.py's `stopped_by_signals`), around a process that
+# leaves an orphan, as TorchX leaves its replicas: a child that starts one in a session of its
+# own and exits
+ORPHANING = """
+import subprocess, sys, time
+from pipelines.interrupt import Interrupted, stopped_by_signals
+try:
+    with stopped_by_signals(lambda: "stopped"):
+        subprocess.run(["sh", "-c", 'sleep 300 & echo $! > "$0"', sys.argv[1]], check=True, start_new_session=True)
+        print("orphaned", flush=True)
+        while True:
+            time.sleep(1)
+except Interrupted:
+    sys.exit(130)
+"""
+
+
+def test_an_orphan_of_the_run_is_stopped_with_it(tmp_path):
+    pid_file = tmp_path / "orphan.pid"
+    cmd = [sys.executable, "-c", ORPHANING, str(pid_file)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    orphan = None
+    try:
+        assert proc.stdout.readline().strip() == "orphaned", proc.communicate()
+        orphan = int(pid_file.read_text())
+        assert _alive(orphan)
+        proc.send_signal(signal.SIGINT)  # the process alone, as in the test above
+        assert proc.wait(timeout=30) == 130
+        assert not _alive(orphan)  # its parent was gone before the stop: the CLI stopped it all the same
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if orphan is not None and _alive(orphan):
+            os.kill(orphan, signal.SIGKILL)
