@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 import socket
 import threading
@@ -18,6 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from components.plots import read_records
 from components.store import Ref
 from pipelines.cli import main
 from pipelines.profile import running_trainings
@@ -132,10 +134,80 @@ def test_each_node_serves_its_ranks_metrics_over_http_while_training(watched):
     assert z["0"] > 5 > z["1"], z  # rank 0 sleeps in every forward (slow_rank): the straggler
     assert watched["after"] == [None, None]  # nothing left listening
 
+    # every value served is the one metrics.jsonl recorded for the step served
+    assert_served_as_recorded(scrapes, node1, watched["result"].metrics)
+
     served = {name for s in [*scrapes, *node1] for name in s}
     for name, names in monitoring_metric_names().items():
         assert names, f"{name} names no liftoff metric"
         assert names <= served, f"{name} names metrics the endpoint does not serve: {sorted(names - served)}"
+
+
+# each served gauge -> the key of metrics.jsonl's step record it serves (spelled out here, not
+# read off the exporter: a gauge serving the wrong key must show)
+RECORDED_AS = {
+    "liftoff_train_step": "step",
+    "liftoff_train_loss": "loss",
+    "liftoff_train_grad_norm": "grad_norm",
+    "liftoff_train_lr": "lr",
+    "liftoff_train_tokens_per_second": "tokens_per_s",
+    "liftoff_train_mfu": "mfu",
+    "liftoff_train_step_seconds": "step_s",
+    "liftoff_train_forward_seconds": "forward_s",
+    "liftoff_train_comm_seconds": "comm_s",
+    "liftoff_train_data_seconds": "data_s",
+    "liftoff_train_optimizer_seconds": "optimizer_s",
+    "liftoff_train_peak_memory_bytes": "peak_memory_bytes",
+    "liftoff_train_skipped_steps": "skipped_steps",
+    "liftoff_checkpoint_blocking_seconds": "checkpoint_blocking_s",
+    "liftoff_checkpoint_background_seconds": "checkpoint_background_s",
+    "liftoff_train_last_step_timestamp_seconds": "time",
+}
+# the same on every rank (all-reduced, or the job's), so rank 1's are rank 0's records' too
+JOB_WIDE = {"liftoff_train_step", "liftoff_train_loss", "liftoff_train_grad_norm", "liftoff_train_lr",
+            "liftoff_train_skipped_steps"}  # fmt: skip
+SPIKES = "liftoff_train_loss_spikes_total"  # counts metrics.jsonl's loss_spike events
+UNRECORDED = {"liftoff_straggler_zscore"}  # metrics.jsonl has straggler verdicts, not z-scores
+
+
+def _same(served: float, recorded) -> bool:
+    return served == float(recorded) or (math.isnan(served) and math.isnan(float(recorded)))
+
+
+def assert_served_as_recorded(node0: list[dict], node1: list[dict], metrics: Path) -> None:
+    """Each scrape of a rank holds one step's values: the step record of metrics.jsonl with the
+    served step number. Rank 0's every served gauge is its record's value, exactly (the record
+    is what rank 0 both writes and serves); rank 1's job-wide ones are too; the spike counter
+    counts the loss_spike events up to that step. A scrape read while the rank was setting its
+    gauges (step first, last-step timestamp last) mixes two steps: it is left out, by its
+    timestamp, which rank 1 shares with rank 0's record to within the collective of the step."""
+    steps, events = read_records(metrics)
+    by_step = {r["step"]: r for r in steps}
+    spike_steps = [e["step"] for e in events if e["kind"] == "loss_spike"]
+    stamp = "liftoff_train_last_step_timestamp_seconds"
+    for rank, scraped in (("0", node0), ("1", node1)):
+        compared = 0
+        for s in scraped:
+            mine = {name: v for name, series in s.items() for (r, _), v in series.items() if r == rank}
+            unknown = set(mine) - set(RECORDED_AS) - {SPIKES} - UNRECORDED
+            assert not unknown, f"served metrics this test does not hold to metrics.jsonl: {sorted(unknown)}"
+            step = int(mine["liftoff_train_step"])
+            record = by_step.get(step)
+            assert record is not None, f"rank {rank} served step {step}; metrics.jsonl has no record of it"
+            nearest = min(steps, key=lambda r: abs(r["time"] - mine[stamp]))["step"]
+            if (mine[stamp] != record["time"]) if rank == "0" else (nearest != step):
+                continue  # read halfway through the rank's update of its gauges
+            names = set(RECORDED_AS) if rank == "0" else JOB_WIDE
+            assert names <= set(mine), f"rank {rank} serves none of {sorted(names - set(mine))}"
+            for name in sorted(names):
+                key = RECORDED_AS[name]
+                assert _same(mine[name], record[key]), (
+                    f"rank {rank} served {name}={mine[name]!r} at step {step}; metrics.jsonl has {key}={record[key]!r}"
+                )
+            spikes = (sum(x <= step for x in spike_steps), sum(x <= step + 1 for x in spike_steps))
+            assert spikes[0] <= mine[SPIKES] <= spikes[1], (rank, step, mine[SPIKES], spike_steps)
+            compared += 1
+        assert compared >= max(1, len(scraped) // 2), f"rank {rank}: {compared} of {len(scraped)} scrapes held one step"
 
 
 def monitoring_metric_names() -> dict[str, set[str]]:

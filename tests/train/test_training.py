@@ -97,10 +97,84 @@ FP8_LINEARS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p i
     ],
 )
 def test_every_fp8_recipe_trains_on_one_process(trainer, recipe, casts):
+    assert_fp8_recipe_numerics(recipe)  # first, in this process: it fails in a second where it fails
     r = trainer.run("train.precision=fp8", f"train.fp8_recipe={recipe}", "train.steps=12", "train.warmup_steps=2")
     steps, _ = read_records(r.metrics)
     assert r.result.float8_linear_count == 14 and r.result.float8_cast_configs == [casts]
     assert r.final_loss < steps[0]["loss"]
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def fp8_roundtrip(t: torch.Tensor, dtype, dim: int | None = None, pow2: bool = False) -> torch.Tensor:
+    """`t` scaled so its amax (the whole tensor's, or along `dim`: one scale per slice across
+    `dim`) is the float8 max, cast to `dtype` (saturated), and scaled back, in fp32; `pow2`
+    rounds each scale down to a power of 2 first (torchao's rowwise recipes)."""
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    big = torch.finfo(dtype).max
+    return (t.float() * scale).clamp(-big, big).to(dtype).float() / scale
+
+
+def fp8_by_hand(recipe: str, x, w, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Linear y = x @ w.T (x: tokens x in, w: out x in) under `recipe`, with grad_output g:
+    (y, grad x, grad w), each GEMM's operands fp8-rounded with the scales the recipe takes along
+    the dim that GEMM reduces over, the products in fp32."""
+    if recipe == "tensorwise":  # one scale a tensor; e4m3 forward, e5m2 gradients
+        xq, wq, gq = fp8_roundtrip(x, E4M3), fp8_roundtrip(w, E4M3), fp8_roundtrip(g, E5M2)
+        return xq @ wq.t(), gq @ wq, gq.t() @ xq
+    # rowwise: all e4m3, power-of-2 scales; y reduces over `in`: a scale per token of x, per output row of w
+    y = fp8_roundtrip(x, E4M3, -1, True) @ fp8_roundtrip(w, E4M3, 1, True).t()
+    g_per_token = fp8_roundtrip(g, E4M3, -1, True)  # grad x reduces over `out`
+    if recipe == "rowwise":
+        grad_x = g_per_token @ fp8_roundtrip(w, E4M3, 0, True)  # a scale per input column of w
+        # grad w reduces over tokens: a scale per output column of g, per input column of x
+        grad_w = fp8_roundtrip(g, E4M3, 0, True).t() @ fp8_roundtrip(x, E4M3, 0, True)
+    else:  # rowwise_with_gw_hp: w tensorwise for grad x, grad w in high precision
+        grad_x = g_per_token @ fp8_roundtrip(w, E4M3, None, True)
+        grad_w = g.t() @ x
+    return y, grad_x, grad_w
+
+
+def assert_fp8_recipe_numerics(recipe: str) -> None:
+    """The fp8 recipe's Linear (converted as training converts it: `FP8.apply`, emulated GEMMs on
+    the CPU) computes its forward and both gradients as `fp8_by_hand` does, to fp32 rounding, and
+    measurably unlike an nn.Linear: its GEMMs multiply fp8 operands scaled as the recipe says."""
+    from components.config import Fp8Recipe, Precision, defaults
+    from components.precision import recipe as precision_recipe
+
+    torch.manual_seed(0)
+    tokens, d_in, d_out = 48, 64, 32
+    # magnitudes spread over tokens, features and output rows, so that per-tensor, per-row and
+    # per-column scales each round differently
+    x = torch.randn(tokens, d_in) * torch.logspace(-2, 1, tokens)[:, None] * torch.logspace(0, 1, d_in)
+    w = torch.randn(d_out, d_in) * torch.logspace(-1, 1, d_out)[:, None] * torch.logspace(1, 0, d_in) / 32
+    g = torch.randn(tokens, d_out) * torch.logspace(1, -2, tokens)[:, None] * torch.logspace(0, 1, d_out)
+
+    def run(fp8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model = torch.nn.Sequential(torch.nn.Linear(d_in, d_out, bias=False))
+        with torch.no_grad():
+            model[0].weight.copy_(w)
+        if fp8:
+            train = defaults("train", precision=Precision.fp8, fp8_recipe=Fp8Recipe(recipe))
+            precision_recipe(Precision.fp8).apply(model, train, torch.device("cpu"))
+            assert type(model[0]).__name__ == "Float8Linear"
+        xin = x.clone().requires_grad_(True)
+        y = model(xin)
+        y.backward(g)
+        return y.detach(), xin.grad, model[0].weight.grad
+
+    got, high, want = run(fp8=True), run(fp8=False), fp8_by_hand(recipe, x, w, g)
+    for name, a, hp, b in zip(("output", "grad input", "grad weight"), got, high, want, strict=True):
+        scale = float(b.abs().max())
+        off = float((a - b).abs().max()) / scale
+        assert off <= 1e-6, f"{recipe}: {name} is {off:.2e} (relative) off the fp8 emulation by hand"
+        if name != "grad weight" or recipe != "rowwise_with_gw_hp":  # that one is high precision
+            unlike = float((a - hp).abs().max()) / scale
+            assert unlike > 1e-3, f"{recipe}: {name} is the high-precision Linear's ({unlike:.2e} off it)"
 
 
 def ckpt_ref(version: str):
