@@ -262,3 +262,33 @@ def test_a_device_one_ulp_off_in_sdpa_is_unhealthy_and_training_keeps_off_its_no
     app = build_app(launch.module, launch.spec, cfg.cluster, launch.name, {}, exclude=launch.exclude_nodes)
     names = app.roles[0].env[fleet.NODE_NAMES_ENV].split(",")
     assert bad not in names and names[0] == good and len(names) == 2
+
+
+def test_a_device_one_ulp_off_in_gemm_is_named_by_the_numerics_battery(monkeypatch):
+    """The GEMM is in the battery: node 1's GEMM one ulp off in one element (the fault the SDPA
+    test injects, here on the GEMM) is named, against the driver's reference run and, without
+    one, against the majority of its peers; the healthy nodes are not."""
+    import torch
+
+    from components.preflight import bench, numerics
+    from tests.faults import install_preflight
+
+    cpu = torch.device("cpu")
+    kind = bench.accelerator(cpu)
+
+    def node(ops: dict) -> dict:
+        return {"accelerator": kind, "numerics": {"dtype": "float32", "rounds": 1, "ops": ops, "allreduce_exact": True}}
+
+    healthy = numerics.battery(cpu, "float32", 1)
+    assert "gemm" in healthy, f"the battery runs no GEMM: {sorted(healthy)}"
+    reference = numerics.reference([node(healthy)], kind)  # the driver's own run: no fault there
+    monkeypatch.setitem(numerics.RUN, "gemm", numerics.RUN["gemm"])  # restored after the test
+    with injected(perturb_node=1, perturb_op="gemm"):
+        install_preflight(1)
+    perturbed = numerics.battery(cpu, "float32", 1)
+    nodes = [node(healthy), node(perturbed)]
+    reason = "numerics: gemm in float32 differs bitwise from this device type's reference run"
+    assert numerics.problems(nodes, reference) == {1: [reason]}
+    peers = [node(healthy), node(perturbed), node(healthy)]
+    assert numerics.problems(peers, None) == {1: ["numerics: gemm in float32 differs bitwise from the other "
+                                                   f"{kind} devices"]}  # fmt: skip

@@ -94,17 +94,31 @@ def test_a_rank_whose_gradient_matmul_is_off_once_is_found_by_its_norm_and_blame
 def test_a_spike_from_a_corrupted_window_rewinds_past_it_and_the_lineage_lists_it(trainer):
     micro = 8  # train.micro_batch_size on one process: step n reads samples [8(n-1), 8n)
     window = [13 * micro, 15 * micro]  # steps 14 and 15 read blocks of one repeated token
-    run = ["train.steps=24", "train.warmup_steps=2", "train.checkpoint_interval=10", "train.sdc_interval=0"]
+    run = ["train.steps=24", "train.warmup_steps=2", "train.sdc_interval=0"]
     spike = ["train.on_spike=rollback", "train.max_spikes=1", "train.loss_spike_factor=1.15"]
-    with injected(corrupt_samples=window):
-        r = trainer.run(*run, *spike)
+    # checkpoints every 5 steps: after the rollback to step 10, steps 15 and 20 are saved (step 20's
+    # save waits for step 15's publish) and the process is killed as step 22 starts: the relaunch
+    # resumes from a checkpoint saved after the rollback, which alone carries the window on
+    relaunch = ["train.checkpoint_interval=5", "cluster.max_restarts=1"]
+    with injected(corrupt_samples=window, kill_rank=0, kill_step=22):
+        r = trainer.run(*run, *spike, *relaunch)
     rollback = events(r.metrics, "rollback")
     assert len(rollback) == 1 and rollback[0]["reason"] == "loss_spike" and "-step10-" in rollback[0]["to"]
     assert rollback[0]["skipped_samples"] == window
     assert [step for step, _ in rollback[0]["spikes"]] == [14, 15]  # the rewound history keeps what it saw
-    # the model's lineage says which samples it never trained on; its loss curve has no spike
+    starts = events(r.metrics, "start")
+    assert len(starts) == 2 and starts[1]["step"] in (15, 20), starts
+    assert f"-step{starts[1]['step']}-" in starts[1]["resumed_from"]
+    # the model's lineage says which samples it never trained on, though the relaunch began after
+    # the rollback (from a checkpoint's metadata); its loss curve has no spike
     model = trainer.store.manifest(r.model.ref)  # read back from the store
     assert model.metadata["skipped_samples"] == [window] and r.result.skipped_samples == [window]
+    # every checkpoint saved after the rollback carries the window, before the relaunch and after it
+    ckpts = {m.metadata["step"]: m.metadata for m in trainer.store.versions("checkpoint", "tiny")}
+    assert {20, 24} <= set(ckpts), sorted(ckpts)  # retention keeps the newest
+    assert {step: m["skipped_samples"] for step, m in ckpts.items() if step > 10} == {
+        step: [window] for step in ckpts if step > 10
+    }
     steps, _ = read_records(r.metrics)
     assert [s["step"] for s in steps] == list(range(1, 25))
     losses = [s["loss"] for s in steps]
