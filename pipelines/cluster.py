@@ -43,8 +43,7 @@ def refuse_unrunnable(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from components.config import ConfigError, Scheduler, StoreBackend
-    from components.preflight.plan import fits
-    from components.preflight.plan_config import plan_for
+    from components.preflight.plan_config import plan_refusal
 
     typed = OmegaConf.to_object(cfg)
     c, problems = typed.cluster, []
@@ -59,17 +58,11 @@ def refuse_unrunnable(cfg: DictConfig) -> None:
                 f"cluster.procs_per_node={c.procs_per_node} with cluster.gpu={c.gpu}: training runs one "
                 f"process per GPU; set cluster.procs_per_node={c.gpu} (or a cluster preset: experiment=h200-7b)"
             )
-    p, device = plan_for(typed)
     # on Kubernetes with no device known (gpu_type null, no device_memory_gb) the plan would be
     # judged against this workstation's RAM: preflight judges it against the measured device
     judged = c.scheduler != Scheduler.kubernetes or c.gpu_type or typed.preflight.device_memory_gb
-    if judged and not fits(p, device.memory_gb, typed.preflight.memory_safety):
-        budget = device.memory_gb * typed.preflight.memory_safety
-        problems.append(
-            f"the plan does not fit: {p.total_gb:.1f} GB per device > {budget:.1f} GB ({device.name}, "
-            f"preflight.memory_safety={typed.preflight.memory_safety}); "
-            "`liftoff plan` with these overrides suggests a fix"
-        )
+    if judged and (refusal := plan_refusal(typed)):
+        problems.append(refusal)
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -9,7 +9,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from components.config import compose, compose_choices, config_groups
+from components.config import ConfigError, compose, compose_choices, config_groups
 from pipelines.artifacts import USAGE as ARTIFACTS_USAGE
 from pipelines.artifacts import UsageError
 
@@ -265,6 +265,7 @@ def _multirun(args: list[str]) -> tuple[bool, list[str]]:
 def cmd_run(args: list[str]) -> int:
     """The whole DAG locally through kfp.local: a status line per stage, then where everything
     is; `-v` streams every process's log as well; `-m` sweeps and ends with a table."""
+    from components.preflight.plan_config import plan_refusal
     from pipelines.local import display_path, expand_sweep, multirun_folder, new_run_folder, run_local
     from pipelines.summary import summary_lines
     from pipelines.sweep import model_ref, model_refs, run_sweep, sweep_table, sweeper_of, without_hydra
@@ -276,6 +277,9 @@ def cmd_run(args: list[str]) -> int:
         return run_sweep(overrides, verbose)
     jobs = expand_sweep(without_hydra(overrides)) if multi else [overrides]
     composed = [compose_choices(job) for job in jobs]  # every job's config is checked before the first runs
+    for cfg, _ in composed:  # and its plan: a model that cannot fit fails in seconds, before tokenize
+        if refusal := plan_refusal(OmegaConf.to_object(cfg)):
+            raise ConfigError(refusal)
     sweep = multirun_folder() if multi else None
     rows = []
     for i, (job, (cfg, choices)) in enumerate(zip(jobs, composed, strict=True)):

@@ -178,3 +178,24 @@ def as_overrides(changes: dict) -> list[str]:
         return str(v).lower() if isinstance(v, bool) else str(getattr(v, "value", v))
 
     return [f"{k}={text(v)}" for k, v in changes.items()]
+
+
+def plan_refusal(cfg) -> str | None:
+    """One line when the plan of a typed config does not fit its device: the plan's figures, the
+    nearest layout that fits (as overrides) or that nothing tried fits, and the command that
+    explains it; None when it fits. Checked by `liftoff run` before tokenize and by the cluster
+    commands before anything is compiled or sent."""
+    p, device = plan_for(cfg)
+    safety = cfg.preflight.memory_safety
+    if fits(p, device.memory_gb, safety):
+        return None
+    changes = suggest(cfg)
+    nearest = (
+        f"nearest layout that fits: {' '.join(as_overrides(changes))}"
+        if changes
+        else f"no layout up to {cfg.cluster.nodes * 16} nodes fits: a smaller model or a shorter data.seq_len"
+    )
+    return (
+        f"the plan does not fit: {p.total_gb:.1f} GB per device > {device.memory_gb * safety:.1f} GB "
+        f"({device.name}, preflight.memory_safety={safety}); {nearest}; `liftoff plan` with these overrides says more"
+    )

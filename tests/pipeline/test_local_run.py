@@ -242,3 +242,35 @@ def test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds(in_tmp,
     # every run executed the shard task: none was answered by the cache with a ref to nothing
     assert executed(run_logs(in_tmp / "runs")).count("tokenize-shard") == 3
     capfd.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nearest"),
+    [
+        (["model=70b"], r"no layout up to 32 nodes fits: a smaller model or a shorter data\.seq_len"),
+        (["model=7b"], r"nearest layout that fits: train\.parallelism=fsdp cluster\.nodes=\d+"),
+    ],
+)
+def test_a_model_that_cannot_fit_is_refused_before_any_task_runs(in_tmp, overrides, nearest):
+    """`liftoff run` plans every job before the first task: a model that cannot fit this host is
+    one line naming the plan, the nearest layout that fits and `liftoff plan`, in seconds; no
+    tokenize task ran, nothing is in the store, no run folder was made."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    pinned = "preflight.device_memory_gb=24"  # the verdict must not depend on the test machine's RAM
+    cmd = [sys.executable, "-m", "pipelines.cli", "run", *FAST, *overrides, pinned]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=in_tmp, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    line = proc.stderr.strip()
+    assert re.fullmatch(
+        r"liftoff run: the plan does not fit: [\d.]+ GB per device > 21\.6 GB \(this host, "
+        rf"preflight\.memory_safety=0\.9\); {nearest}; `liftoff plan` with these overrides says more",
+        line,
+    ), line
+    assert not (in_tmp / "local_outputs").exists() and not (in_tmp / "artifacts").exists()
+    assert not (in_tmp / "runs").exists()

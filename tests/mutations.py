@@ -1,0 +1,504 @@
+"""The mutations the suite must kill: for each feature a claim rests on, a one-line break of the
+code and the test that fails on it. `python -m tests.mutations` applies each alone, runs its
+tests, expects a failure and restores the file; `--list` prints the table, `--check` only checks
+that every mutation still applies (its text is in its file exactly once), and names select some.
+
+Mutations are applied in place, in this checkout: the training replicas and the kfp.local tasks
+import the package from it (the editable install), so a copy elsewhere would test the
+unmutated code. The script refuses to start on a checkout whose mutated files have changes, and
+restores each file even when interrupted. Run it alone: anything else using the checkout while a
+mutation is applied sees the broken code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str  # the feature it deletes
+    path: str  # the file, from the repository root
+    old: str  # the text replaced: exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids (or -k expressions after a "::-k " marker) that must fail
+
+    def apply(self) -> str:
+        source = (ROOT / self.path).read_text()
+        if source.count(self.old) != 1:
+            raise SystemExit(f"{self.name}: {self.old!r} is in {self.path} {source.count(self.old)} times, not once")
+        (ROOT / self.path).write_text(source.replace(self.old, self.new))
+        return source
+
+
+MUTATIONS = [
+    # issue 41's nine survivors of the audit
+    Mutation(
+        "identity: warmup_steps and min_lr no longer part of the training identity",
+        "components/train/stage.py",
+        '    "profile_poll_steps",\n',
+        '    "profile_poll_steps", "warmup_steps", "min_lr",\n',
+        ("tests/train/test_identity.py",),
+    ),
+    Mutation(
+        "interrupt: the CLI is no child subreaper (an orphan of the run outlives it)",
+        "pipelines/interrupt.py",
+        "    become_subreaper()\n",
+        "    pass\n",
+        ("tests/pipeline/test_interrupt.py::test_an_orphan_of_the_run_is_stopped_with_it",),
+    ),
+    Mutation(
+        "retention: a quarantined version's parents no longer kept",
+        "components/store/retention.py",
+        "record = store.quarantined(Ref.parse(ref)) or {}",
+        "record = {}",
+        ("tests/test_retention.py::test_a_quarantined_versions_parents_are_still_kept",),
+    ),
+    Mutation(
+        "replicas: a rank past its share of the val batches counts batch 0 again",
+        "components/sharded_model.py",
+        "out += [result] if mine else []",
+        "out += [result]",
+        (
+            "tests/stages/test_replicas.py::test_three_ranks_on_one_node_reshard_the_two_rank_checkpoint_and_validate_it",
+        ),
+    ),
+    Mutation(
+        "preflight: the GEMM left out of the numerics battery",
+        "components/preflight/numerics.py",
+        'OPS = ("gemm", "sdpa",',
+        'OPS = ("sdpa",',
+        ("tests/preflight/test_preflight.py::test_a_device_one_ulp_off_in_gemm_is_named_by_the_numerics_battery",),
+    ),
+    Mutation(
+        "rollback: the skipped window dropped from the checkpoint's metadata",
+        "components/train/worker.py",
+        '"skipped_samples": [list(w) for w in state.skip_windows],',
+        '"skipped_samples": [],',
+        ("tests/train/test_guards.py::test_a_spike_from_a_corrupted_window_rewinds_past_it_and_the_lineage_lists_it",),
+    ),
+    Mutation(
+        "relaunch: an attempt no longer keeps off the nodes quarantined by the one before",
+        "components/launcher.py",
+        "            launch.exclude_nodes = tuple(sorted({*launch.exclude_nodes, *launch.quarantined()}))\n",
+        "            pass\n",
+        ("tests/train/test_hang.py::test_a_rank_stalled_in_an_all_reduce_is_named_with_its_node_and_the_collective",),
+    ),
+    Mutation(
+        "sweep: eval.objective ignored (val_loss always)",
+        "pipelines/sweep.py",
+        "    name = cfg.eval.objective\n",
+        '    name = "val_loss"\n',
+        ("tests/pipeline/test_sweep_objective.py",),
+    ),
+    Mutation(
+        "lease: Lease.check() never raises",
+        "components/store/lease.py",
+        "        if self.lost is not None:\n            raise self.lost\n",
+        "        return\n",
+        ("tests/train/test_lease_lost.py",),
+    ),
+    # issue 41's weak assertions
+    Mutation(
+        "fp8: the Float8Linear GEMMs replaced by the high-precision nn.Linear forward",
+        "components/precision/fp8.py",
+        "                m.register_forward_pre_hook(_cast_input_to_bf16)\n",
+        "                m.forward = super(type(m), m).forward\n",
+        ("tests/train/test_training.py::test_every_fp8_recipe_trains_on_one_process",),
+    ),
+    Mutation(
+        "metrics: the exporter serves grad_norm as loss and loss as grad_norm",
+        "components/train/prometheus.py",
+        "            value = record.get(key)\n",
+        '            value = record.get({"loss": "grad_norm", "grad_norm": "loss"}.get(key, key))\n',
+        ("tests/train/test_observability.py::test_each_node_serves_its_ranks_metrics_over_http_while_training",),
+    ),
+    # issue 41's healing
+    Mutation(
+        "validate: a damaged stored model is not quarantined (the rerun hands it back)",
+        "components/validate/checks.py",
+        "        if not store.check(model.ref):",
+        "        if not store.verify(model.ref):",
+        (
+            "tests/stages/test_validate_evaluate.py::test_a_damaged_stored_model_is_quarantined_and_the_rerun_exports_it_again",
+        ),
+    ),
+    Mutation(
+        "tokenize: a shard the store lost is answered by the cache (no rerun token)",
+        "components/tokenize/plan.py",
+        '            item["rerun"] = uuid.uuid4().hex\n',
+        "            pass\n",
+        ("tests/pipeline/test_local_run.py::test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds",),
+    ),
+    Mutation(
+        "tokenize: a plan committed anew (wiped store) keys its shard tasks as the lost one did",
+        "components/tokenize/plan.py",
+        '"index": index, "planned": planned}',
+        '"index": index}',
+        ("tests/pipeline/test_local_run.py::test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds",),
+    ),
+    Mutation(
+        "lease: a replica publishes the model although its driver lost the lease",
+        "components/train/handback.py",
+        "    check_held_by_launch(job.store, job.identity, job.spec.launch_id)\n",
+        "",
+        ("tests/train/test_lease_lost.py",),
+    ),
+    # README "### Parallelism"
+    Mutation(
+        "fsdp: the blocks not sharded one by one (the root only)",
+        "components/train/parallel.py",
+        "            fully_shard(block, **kwargs)\n",
+        "            pass\n",
+        ("tests/train/test_training.py::test_fsdp_trains_the_same_weights_as_ddp",),
+    ),
+    Mutation(
+        "fsdp: fp8 weights all-gathered in high precision",
+        "components/precision/fp8.py",
+        "            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)\n",
+        "            pass\n",
+        ("tests/test_benchmarks.py::test_the_sharded_gpu_cases_run_under_torchrun_and_fp8_is_all_gathered_in_fp8",),
+    ),
+    Mutation(
+        "fsdp: gradients reduce-scattered on the last micro-batch only, whatever the sync setting",
+        "components/train/parallel.py",
+        "        model.set_requires_gradient_sync(last or fsdp_every_microbatch)\n",
+        "        model.set_requires_gradient_sync(last)\n",
+        (
+            "tests/train/test_parallel.py::"
+            "test_fsdp_reduce_scatters_every_micro_batch_by_default_and_both_ways_give_the_reference_gradient",
+        ),
+    ),
+    Mutation(
+        "hsdp: FSDP2 over the shard dimension only (the replicas never all-reduce)",
+        "components/train/parallel.py",
+        '        kwargs = {"mesh": mesh[names] if len(names) > 1 else mesh[names[0]]}\n',
+        '        kwargs = {"mesh": mesh[names[-1]]}\n',
+        ("tests/train/test_training.py::test_hsdp_2x2_on_two_nodes_trains_the_losses_and_weights_of_one_process",),
+    ),
+    Mutation(
+        "hsdp: dp_replicate need not divide the data-parallel world",
+        "components/config/rules.py",
+        '            rules.append(("train.dp_replicate", dp % r == 0 and dp > r, why))\n',
+        '            rules.append(("train.dp_replicate", dp > r, why))\n',
+        ("tests/preflight/test_plan.py::test_hsdp_shards_within_a_node_and_all_reduces_across_nodes",),
+    ),
+    Mutation(
+        "identity: dp_replicate part of the training identity (no resume under another layout)",
+        "components/train/stage.py",
+        '    "dp_replicate",  # HSDP\'s layout, as the world size\n',
+        "",
+        ("tests/train/test_identity.py::test_a_bookkeeping_setting_keeps_the_training_identity[dp_replicate]",),
+    ),
+    Mutation(
+        "tp: the sampler sees the whole world (the tp peers read different samples)",
+        "components/train/job.py",
+        "    dp, dp_rank = dims.dp, dims.dp_rank(rank)\n",
+        "    dp, dp_rank = world, rank\n",
+        ("tests/train/test_training.py::test_tensor_parallel_trains_the_losses_and_weights_of_one_process",),
+    ),
+    Mutation(
+        "tp: the blocks' Linears not split over the tp ranks",
+        "components/train/tensor_parallel.py",
+        "        parallelize_module(block, tp_mesh, tp_plan(block, float8))\n",
+        "        pass\n",
+        ("tests/test_benchmarks.py::test_the_sharded_gpu_cases_run_under_torchrun_and_fp8_is_all_gathered_in_fp8",),
+    ),
+    Mutation(
+        "tp: a degree that does not divide the heads or the FFN composes",
+        "components/config/rules.py",
+        '            rules.append(("train.tp", n % tp == 0, f"{tp} must divide model.{key}',
+        '            rules.append(("train.tp", True, f"{tp} must divide model.{key}',
+        (
+            "tests/test_config.py::test_tensor_parallel_degrees_that_cannot_split_the_world_or_the_model_fail_at_compose",
+        ),
+    ),
+    Mutation(
+        "pp: fewer micro-batches than stages compose",
+        "components/config/rules.py",
+        '        ("train.grad_accum_steps", accum >= pp,\n',
+        '        ("train.grad_accum_steps", True,\n',
+        ("tests/test_config.py::test_pipeline_degrees_that_cannot_fill_the_stages_fail_at_compose",),
+    ),
+    Mutation(
+        "pp: DDP beside pipeline stages composes",
+        "components/config/rules.py",
+        '        rules.append(("train.pp", train.parallelism != "ddp" or world == pp, why))\n',
+        '        rules.append(("train.pp", True, why))\n',
+        ("tests/test_config.py::test_pipeline_degrees_that_cannot_fill_the_stages_fail_at_compose",),
+    ),
+    Mutation(
+        "pp: the step's loss averaged over every rank, not the last stage's",
+        "components/train/worker.py",
+        "    step_loss = loss_total / (job.world // job.dims.pp)  #",
+        "    step_loss = loss_total / job.world  #",
+        ("tests/train/test_pipeline.py::test_pipeline_schedules_train_the_losses_and_weights_of_one_process",),
+    ),
+    Mutation(
+        "pp: the gradient norm clipped per stage, not over every stage",
+        "components/train/optim.py",
+        "        dist.all_reduce(squares, group=pp_group)\n",
+        "        pass\n",
+        ("tests/train/test_pipeline.py::test_pipeline_schedules_train_the_losses_and_weights_of_one_process",),
+    ),
+    Mutation(
+        "pp: a non-finite step names rank 0's own culprit (a later stage's never gathered)",
+        "components/train/nonfinite.py",
+        "    return min(named)[2] if named else None\n",
+        "    return mine\n",
+        (
+            "tests/train/test_pipeline.py::"
+            "test_fp8_pipeline_names_a_later_stages_non_finite_module_and_every_stages_float8_linears",
+        ),
+    ),
+    Mutation(
+        "pp: the Float8Linear modules are rank 0's stages' only",
+        "components/train/handback.py",
+        "    if job.pipeline is None:\n",
+        "    if True:\n",
+        (
+            "tests/train/test_pipeline.py::"
+            "test_fp8_pipeline_names_a_later_stages_non_finite_module_and_every_stages_float8_linears",
+        ),
+    ),
+    Mutation(
+        "plan: 1F1B keeps every micro-batch in flight (not at most the stages')",
+        "components/preflight/plan.py",
+        "        return min(micro, pp - rank)\n",
+        "        return micro\n",
+        (
+            "tests/preflight/test_plan.py::test_pipeline_plans_a_stage_per_rank_and_a_bubble_that_more_micro_batches_shrink",
+        ),
+    ),
+    Mutation(
+        "plan: no pipeline bubble",
+        "components/preflight/plan.py",
+        "        bubble = (micro_stages + pp - 1) / micro_stages if pp > 1 else 1.0  #",
+        "        bubble = 1.0  #",
+        (
+            "tests/preflight/test_plan.py::test_pipeline_plans_a_stage_per_rank_and_a_bubble_that_more_micro_batches_shrink",
+        ),
+    ),
+    Mutation(
+        "plan: PP x FSDP holds gradient shards only when fsdp_sync_every_microbatch says so",
+        "components/preflight/plan.py",
+        "(not train.fsdp_sync_every_microbatch or train.pp > 1)",
+        "(not train.fsdp_sync_every_microbatch)",
+        (
+            "tests/preflight/test_plan.py::"
+            "test_under_pipeline_parallelism_fsdp_holds_unsharded_gradients_whatever_the_sync_setting",
+        ),
+    ),
+    Mutation(
+        "plan --search: the layouts that fit not ranked by step time",
+        "components/preflight/plan_search.py",
+        "    return sorted(fitting, key=lambda x: (x.plan.step_time_s or 0.0, x.plan.total_gb))\n",
+        "    return fitting\n",
+        (
+            "tests/preflight/test_plan.py::"
+            "test_plan_search_ranks_the_layouts_that_fit_by_step_time_and_keeps_the_global_batch",
+        ),
+    ),
+    Mutation(
+        "plan --search: layouts that break a compose rule are planned",
+        "components/preflight/plan_search.py",
+        "    return [changes for changes in found if not _breaks_a_rule(with_changes(cfg, changes))]\n",
+        "    return found\n",
+        (
+            "tests/preflight/test_plan.py::"
+            "test_plan_search_from_a_pipeline_config_lists_layouts_that_compose_at_its_global_batch",
+        ),
+    ),
+    Mutation(
+        "plan --search: no PP layouts but the configured one",
+        "components/preflight/plan_search.py",
+        "    spanning_nodes = {p for p in (2**i for i in range(1, c.nodes.bit_length())) if c.nodes % p == 0}\n",
+        "    spanning_nodes = set()\n",
+        (
+            "tests/preflight/test_plan.py::"
+            "test_plan_search_from_a_pipeline_config_lists_layouts_that_compose_at_its_global_batch",
+        ),
+    ),
+    # README "## Reliability" (the fault table)
+    Mutation(
+        "resume: auto continues the oldest stored checkpoint, not the newest",
+        "components/train/resume.py",
+        "key=lambda sm: (sm[0], sm[1].created), reverse=True):",
+        "key=lambda sm: (sm[0], sm[1].created), reverse=False):",
+        ("tests/train/test_training.py::test_resume_auto_continues_from_the_store",),
+    ),
+    Mutation(
+        "store: an unreachable store's error does not name the endpoint",
+        "components/store/connection.py",
+        'f"artifact store at {endpoint} unreachable: {what} failed',
+        'f"artifact store unreachable: {what} failed',
+        (
+            "tests/test_store.py::test_unreachable_endpoint_fails_in_bounded_time_naming_it",
+            "tests/chaos/test_faults.py::test_s3_outage_during_publish_then_recovery",
+        ),
+    ),
+    Mutation(
+        "store: retries run for 10x store.timeout_s",
+        "components/store/connection.py",
+        "        if elapsed + delay > timeout_s:\n",
+        "        if elapsed + delay > 10 * timeout_s:\n",
+        (
+            "tests/test_store.py::test_unreachable_endpoint_fails_in_bounded_time_naming_it",
+            "tests/chaos/test_faults.py::test_s3_outage_during_publish_then_recovery",
+        ),
+    ),
+    Mutation(
+        "store: a publish commits its manifest before the files (a half-written version is visible)",
+        "components/store/artifacts.py",
+        "        return self.commit(ref, self.upload(ref, files), metadata, parents)\n",
+        "        return (self.commit(ref, {}, metadata, parents),"
+        " self.commit(ref, self.upload(ref, files), metadata, parents))[1]\n",
+        (
+            "tests/chaos/test_faults.py::test_s3_outage_during_publish_then_recovery",
+            "tests/test_store.py::test_interrupted_publish_leaves_no_version",
+        ),
+    ),
+    Mutation(
+        "checkpoint: a full disk's error names neither the directory nor the free space",
+        "components/train/checkpoint.py",
+        'f"checkpoint step-{step} could not be written to {self.root} ({free:.1f} MB free): "',
+        'f"checkpoint step-{step} failed: "',
+        ("tests/chaos/test_faults.py::test_full_checkpoint_disk_fails_clearly_and_keeps_earlier_checkpoints",),
+    ),
+    Mutation(
+        "tokenize: invalid UTF-8 in a JSON column passed on to tokenization",
+        "components/tokenize/documents.py",
+        "        ds.data.table.column(cfg.text_field).validate(full=True)\n",
+        "        pass\n",
+        (
+            "tests/chaos/test_hostile_input.py::test_invalid_utf8_in_a_dataset_is_a_clear_error",
+            "tests/tokenize/test_tokenize.py::test_a_parse_error_names_the_file_the_line_and_the_reason[latin-1-jsonl]",
+        ),
+    ),
+    Mutation(
+        "tokenize: a line longer than data.max_doc_bytes no longer refused while streaming",
+        "components/tokenize/sources.py",
+        "                too_long = next((i for i, n in lengths.items() if n > max_doc_bytes), None)\n",
+        "                too_long = None\n",
+        ("tests/chaos/test_hostile_input.py::test_a_huge_single_line_is_refused_while_streaming[80MB]",),
+    ),
+    Mutation(
+        "checkpoint: the metadata unpickler resolves any global",
+        "components/checkpoint_format.py",
+        "        if (module, name) in ALLOWED_GLOBALS or dtype:\n",
+        "        if True:\n",
+        ("tests/chaos/test_hostile_input.py::test_files_crafted_to_run_code_on_load_are_refused",),
+    ),
+    Mutation(
+        "checkpoint: a rank's state unpickled with weights_only=False",
+        "components/train/checkpoint.py",
+        "    rank_state = torch.load(rank_file, weights_only=True) if",
+        "    rank_state = torch.load(rank_file, weights_only=False) if",
+        ("tests/chaos/test_hostile_input.py::test_files_crafted_to_run_code_on_load_are_refused",),
+    ),
+    Mutation(
+        "hf: a model directory with pickled weights only goes to transformers",
+        "components/hf.py",
+        '    if not list(model_dir.glob("*.safetensors")):\n',
+        "    if False:\n",
+        ("tests/chaos/test_hostile_input.py::test_files_crafted_to_run_code_on_load_are_refused",),
+    ),
+    Mutation(
+        "cli: a refused override prints its error over several lines",
+        "pipelines/cli.py",
+        "    return out or type(e).__name__\n",
+        "    return text\n",
+        (
+            "tests/test_config.py::test_values_that_cannot_work_fail_at_compose_naming_the_key",
+            "tests/chaos/test_hostile_input.py::test_any_override_is_success_or_one_clear_line",
+        ),
+    ),
+    Mutation(
+        "store: a local key may leave the store root",
+        "components/store/local.py",
+        "    def _path(self, key: str) -> Path:\n",
+        "    def _path(self, key: str) -> Path:\n        return self.root / key\n",
+        ("tests/test_store.py::test_local_store_never_writes_outside_its_root",),
+    ),
+    Mutation(
+        "credentials: the local Secret stand-in (the store's keys) left in the nodes' directory",
+        "components/launcher.py",
+        "            secret.unlink(missing_ok=True)\n",
+        "            pass\n",
+        ("tests/test_local_pod.py::test_each_node_has_its_own_directory_and_only_its_declared_environment",),
+    ),
+    Mutation(
+        "lineage: a model no longer names the checkpoint it was exported from",
+        "components/train/handback.py",
+        'parents=[job.spec.dataset, f"checkpoint/{job.model_cfg.name}@{result.checkpoint_version}"],',
+        "parents=[job.spec.dataset],",
+        ("tests/stages/test_validate_evaluate.py::test_good_model_passes_every_check",),
+    ),
+]
+
+
+def dirty(paths: set[str]) -> list[str]:
+    out = subprocess.run(["git", "status", "--porcelain", "--", *sorted(paths)], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    return out.splitlines()
+
+
+def run(mutation: Mutation, timeout_s: float) -> tuple[bool, float, str]:
+    """(killed, seconds, the last failure line) with `mutation` applied."""
+    original = mutation.apply()
+    t0 = time.perf_counter()
+    try:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "", *mutation.tests]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("E ", "FAILED", "ERROR"))]
+        return proc.returncode != 0, time.perf_counter() - t0, (failed[0] if failed else proc.stdout[-200:]).strip()
+    except subprocess.TimeoutExpired:
+        return True, time.perf_counter() - t0, f"timed out after {timeout_s:.0f} s (counted as killed: a hang)"
+    finally:
+        (ROOT / mutation.path).write_text(original)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="substrings of the mutations to run (all by default)")
+    parser.add_argument("--list", action="store_true", help="print the table and exit")
+    parser.add_argument("--check", action="store_true", help="check every mutation applies, run nothing")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutation's tests")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or any(n in m.name for n in args.names)]
+    if args.list:
+        for m in chosen:
+            print(f"| {m.name} | `{m.path}` | {', '.join(f'`{t}`' for t in m.tests)} |")
+        return 0
+    for m in chosen:
+        source = (ROOT / m.path).read_text()
+        if source.count(m.old) != 1:
+            print(f"does not apply: {m.name}: {m.old!r} is in {m.path} {source.count(m.old)} times", file=sys.stderr)
+            return 2
+    if args.check:
+        print(f"{len(chosen)} mutations apply")
+        return 0
+    if changed := dirty({m.path for m in chosen}):
+        print(f"commit or stash first: {', '.join(changed)}", file=sys.stderr)
+        return 2
+    survivors, t0 = [], time.perf_counter()
+    for i, m in enumerate(chosen, 1):
+        killed, seconds, line = run(m, args.timeout)
+        print(
+            f"[{i}/{len(chosen)}] {'killed' if killed else 'SURVIVED'} {seconds:5.0f} s  {m.name}: {line}", flush=True
+        )
+        if not killed:
+            survivors.append(m.name)
+    print(f"{len(chosen) - len(survivors)} of {len(chosen)} killed in {time.perf_counter() - t0:.0f} s")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
