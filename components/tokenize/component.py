@@ -16,8 +16,8 @@ def tokenize_plan(data: dict, tokenizer: dict, model: dict, store: dict, plan: O
     from components.task import stage_task
     from components.tokenize.plan import make_plan, shard_items
 
-    began = utc_now()
     with stage_task("tokenize-plan", data=data, tokenizer=tokenizer, model=model, store=store) as task:
+        began = utc_now()
         g = task.groups
         made, stored = make_plan(g["data"], g["tokenizer"], g["model"], task.store)
         ref = str(made.tokenizer)

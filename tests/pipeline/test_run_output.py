@@ -119,9 +119,10 @@ def test_a_missing_data_file_is_one_line_naming_it(tmp_path):
 
 
 def test_the_preflight_gate_is_one_line_and_v_streams_the_logs(default_run, workdir):
-    proc = liftoff(workdir, "run", "-v", *FAST, "preflight.device_memory_gb=0.0001")
+    # a floor no node meets (a plan that cannot fit is refused before any stage: test_local_run.py)
+    proc = liftoff(workdir, "run", "-v", *FAST, "+preflight.floors={membw_gbps:1000000}")
     err = one_error_line(proc)
-    assert "stage preflight failed: PreflightFailed: preflight failed: planned memory" in err
+    assert "stage preflight failed: PreflightFailed: preflight failed: " in err and "membw_gbps" in err, err
     assert "Executing task" in proc.stdout and "[preflight-" in proc.stdout  # kfp.local's and the replicas' lines
 
 
