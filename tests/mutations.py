@@ -151,7 +151,7 @@ MUTATIONS = [
         "",
         ("tests/train/test_lease_lost.py",),
     ),
-    # README "### Parallelism"
+    # docs/parallelism.md
     Mutation(
         "fsdp: the blocks not sharded one by one (the root only)",
         "components/train/parallel.py",
@@ -326,7 +326,7 @@ MUTATIONS = [
             "test_plan_search_from_a_pipeline_config_lists_layouts_that_compose_at_its_global_batch",
         ),
     ),
-    # README "## Reliability" (the fault table)
+    # docs/reliability.md (the fault table)
     Mutation(
         "resume: auto continues the oldest stored checkpoint, not the newest",
         "components/train/resume.py",

@@ -190,8 +190,9 @@ def test_one_code_version_helper():
 
 
 def _readme_layout() -> dict[str, str]:
-    """The README's layout block as {entry path: its description, continuation lines included}."""
-    block = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("```", 2)[1]
+    """docs/layout.md's layout block (the README links it) as {entry path: its description,
+    continuation lines included}."""
+    block = (ROOT / "docs" / "layout.md").read_text().split("```", 2)[1]
     entries, parent, last = {}, "", None
     for line in block.splitlines():
         if not line.strip():
@@ -208,22 +209,22 @@ def _readme_layout() -> dict[str, str]:
 
 
 def test_readme_layout_matches_the_tree():
-    """Every entry the README's layout names exists; every floor module, folder and pipelines
+    """Every entry docs/layout.md's layout names exists; every floor module, folder and pipelines
     module is named; and each stage's (and precision/'s) line names exactly its modules."""
     entries = _readme_layout()
     missing = [e for e in entries if (e.endswith("/") or e.endswith(".py")) and not (ROOT / e).exists()]
-    assert not missing, f"README layout names what is not there: {missing}"
+    assert not missing, f"docs/layout.md names what is not there: {missing}"
     expected = [f"components/{p.name}" for p in (ROOT / "components").glob("*.py") if p.name != "__init__.py"]
     expected += [f"pipelines/{p.name}" for p in (ROOT / "pipelines").glob("*.py") if p.name != "__init__.py"]
     expected += [f"components/{d.name}/" for d in (ROOT / "components").iterdir() if (d / "__init__.py").exists()]
     unnamed = [e for e in expected if e not in entries]
-    assert not unnamed, f"README layout does not name: {unnamed}"
+    assert not unnamed, f"docs/layout.md does not name: {unnamed}"
     for folder in [*STAGES, "precision"]:
         words = set(re.findall(r"\w+", entries[f"components/{folder}/"].replace(".py", "")))
         modules = {p.stem for p in (ROOT / "components" / folder).glob("*.py") if p.name != "__init__.py"}
-        assert modules <= words, f"README's components/{folder}/ line does not name {sorted(modules - words)}"
+        assert modules <= words, f"docs/layout.md's components/{folder}/ line does not name {sorted(modules - words)}"
         listed = set(re.findall(r"(\w+)\.py", entries[f"components/{folder}/"]))
-        assert listed <= modules, f"README's components/{folder}/ line names {sorted(listed - modules)}: not there"
+        assert listed <= modules, f"docs/layout.md's components/{folder}/ line names {sorted(listed - modules)}: gone"
 
 
 def test_the_project_refers_to_nothing_outside_its_clone():
