@@ -86,7 +86,7 @@ COMMANDS: dict[str, Command] = {
     "render": Command(
         cmd_render,
         "render [overrides]",
-        "what a cluster run creates: build/pretrain.yaml and build/jobs/{train,preflight}.yaml",
+        "what a cluster run creates (cluster configs: experiment=h200-7b): build/pretrain.yaml, build/jobs/",
     ),
     "upload": Command(
         cmd_upload,

@@ -309,7 +309,10 @@ def cmd_compile(args: list[str]) -> int:
 
 
 def cmd_render(args: list[str]) -> int:
-    """What a cluster run would create: build/pretrain.yaml and build/jobs/{train,preflight}.yaml."""
+    """What a cluster run would create: build/pretrain.yaml and build/jobs/{train,preflight}.yaml.
+
+    Cluster configs only (cluster.scheduler=kubernetes: a preset such as experiment=h200-7b); the
+    default, local config is refused in one line, exit 2 (`liftoff compile` writes its pipeline)."""
     from pipelines.cluster import render
 
     overrides = _overrides_only("render", args)
