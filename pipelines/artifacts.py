@@ -11,7 +11,7 @@ from components.store import KINDS, ArtifactStore, Manifest, Ref, check_part
 
 USAGE = (
     "liftoff artifacts ls [KIND] | show KIND/NAME[@VERSION] [--json] | get KIND/NAME[@VERSION] [DEST]"
-    " | rm KIND/NAME@VERSION [--with-dependants] | pin KIND/NAME@VERSION | unpin KIND/NAME@VERSION"
+    " | rm KIND/NAME@VERSION [--with-dependants] [--force] | pin KIND/NAME@VERSION | unpin KIND/NAME@VERSION"
 )
 
 
@@ -74,13 +74,16 @@ def cmd_ls(store: ArtifactStore, words: list[str]) -> int:
     if len(words) > 1:
         raise UsageError(f"usage: liftoff artifacts ls [KIND], got {' '.join(words)!r}")
     kind = check_kind(store, check_part(words[0], "kind")) if words else None
-    rows = []
+    rows, pins = [], {}
     for m in store.ls(kind):
         files = f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}"
-        rows.append((str(m.ref), when(m.created), files, human_size(total_size(m))))
+        if (m.ref.kind, m.ref.name) not in pins:  # one listing per name
+            pins[m.ref.kind, m.ref.name] = store.pinned_versions(m.ref.kind, m.ref.name)
+        pinned = "  pinned" if m.ref.version in pins[m.ref.kind, m.ref.name] else ""
+        rows.append((str(m.ref), when(m.created), files, human_size(total_size(m)), pinned))
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
     for row in rows:
-        print(f"{row[0]:<{widths[0]}}  {row[1]}  {row[2]:>{widths[2]}}  {row[3]:>10}")
+        print(f"{row[0]:<{widths[0]}}  {row[1]}  {row[2]:>{widths[2]}}  {row[3]:>10}{row[4]}")
     return 0
 
 
@@ -99,6 +102,12 @@ def show(store: ArtifactStore, m: Manifest) -> None:
     print(str(m.ref))
     print(f"  created       {when(m.created)} UTC")
     print(f"  code version  {m.code_version}")
+    pin = store.pin_record(m.ref)
+    if pin is None:
+        print("  pinned        no")
+    else:
+        reason = f": {pin['reason']}" if pin.get("reason") else ""
+        print(f"  pinned        since {when(pin.get('at') or '')} UTC{reason}")
     print(f"  metadata      {'' if m.metadata else '(none)'}".rstrip())
     for key, value in _leaves(m.metadata):
         print(f"    {key}: {value}")
@@ -149,7 +158,9 @@ def cmd_get(store: ArtifactStore, words: list[str]) -> int:
 
 def exact_ref(store: ArtifactStore, verb: str, words: list[str]) -> Ref:
     """The one KIND/NAME@VERSION a changing command names; `latest` is not allowed here."""
-    usage = f"usage: liftoff artifacts {verb} KIND/NAME@VERSION" + (" [--with-dependants]" if verb == "rm" else "")
+    usage = f"usage: liftoff artifacts {verb} KIND/NAME@VERSION" + (
+        " [--with-dependants] [--force]" if verb == "rm" else ""
+    )
     if len(words) != 1:
         raise UsageError(usage)
     kind, name, version = parse_target(store, verb, words[0])
@@ -160,10 +171,11 @@ def exact_ref(store: ArtifactStore, verb: str, words: list[str]) -> Ref:
 
 def cmd_rm(store: ArtifactStore, words: list[str]) -> int:
     """Remove a version: refused (one line naming them, exit 2) when some lineage names it, unless
-    --with-dependants, which removes those too. One line per version removed."""
-    with_dependants = "--with-dependants" in words
-    ref = exact_ref(store, "rm", [w for w in words if w != "--with-dependants"])
-    for removed in store.remove(ref, with_dependants=with_dependants):
+    --with-dependants, which removes those too; refused when it or one of those dependants is
+    pinned, unless --force. One line per version removed."""
+    with_dependants, force = "--with-dependants" in words, "--force" in words
+    ref = exact_ref(store, "rm", [w for w in words if w not in ("--with-dependants", "--force")])
+    for removed in store.remove(ref, with_dependants=with_dependants, force=force):
         print(f"removed {removed}")
     return 0
 

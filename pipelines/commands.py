@@ -83,15 +83,18 @@ def print_groups() -> None:
 def cmd_artifacts(args: list[str]) -> int:
     """List, inspect and download the versions in the store (store.* overrides choose it).
 
-    ls [KIND]                      every version (of one kind): ref, date, files, size
-    show KIND/NAME[@VERSION]       one version: created, code version, metadata, files, lineage;
-                                   --json prints its raw manifest; VERSION defaults to the latest
+    ls [KIND]                      every version (of one kind): ref, date, files, size, pinned
+    show KIND/NAME[@VERSION]       one version: created, code version, pin, metadata, files,
+                                   lineage; --json prints its raw manifest; VERSION defaults to
+                                   the latest
     get KIND/NAME[@VERSION] [DEST] download it into DEST (default ./KIND-NAME-VERSION), checking
                                    every file's sha256, and print the folder
     rm KIND/NAME@VERSION           remove a version (every object, every S3 object version);
                                    refused when some lineage names it, unless --with-dependants,
-                                   which removes those versions too; prints what it removed
-    pin KIND/NAME@VERSION          keep a version from checkpoint retention (unpin: no longer)
+                                   which removes those versions too; refused when one of them is
+                                   pinned, unless --force; prints what it removed
+    pin KIND/NAME@VERSION          keep a version from checkpoint retention and rm (unpin: no
+                                   longer; unpinning a version that is not pinned is an error)
 
     A store that does not exist (store.root, or store.bucket for MinIO) is an error, exit 2.
     """
