@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -15,8 +16,9 @@ from pipelines.artifacts import UsageError
 
 
 def _split(args: list[str]) -> tuple[list[str], list[str]]:
-    """Positional words vs Hydra overrides (anything with '=' or a leading '+'/'~')."""
-    overrides = [a for a in args if "=" in a or a.startswith(("+", "~"))]
+    """Positional words vs Hydra overrides (anything with '=' or a leading '+'/'~'), except a
+    directory: a run folder's name holds its overrides (`runs/tiny/<date>_<time>_lr=3e-3`)."""
+    overrides = [a for a in args if ("=" in a or a.startswith(("+", "~"))) and not Path(a).is_dir()]
     return [a for a in args if a not in overrides], overrides
 
 
@@ -85,8 +87,7 @@ def cmd_artifacts(args: list[str]) -> int:
 
     ls [KIND]                      every version (of one kind): ref, date, files, size, pinned
     show KIND/NAME[@VERSION]       one version: created, code version, pin, metadata, files,
-                                   lineage; --json prints its raw manifest; VERSION defaults to
-                                   the latest
+                                   lineage; --json prints its raw manifest
     get KIND/NAME[@VERSION] [DEST] download it into DEST (default ./KIND-NAME-VERSION), checking
                                    every file's sha256, and print the folder
     rm KIND/NAME@VERSION           remove a version (every object, every S3 object version);
@@ -96,7 +97,10 @@ def cmd_artifacts(args: list[str]) -> int:
     pin KIND/NAME@VERSION          keep a version from checkpoint retention and rm (unpin: no
                                    longer; unpinning a version that is not pinned is an error)
 
-    A store that does not exist (store.root, or store.bucket for MinIO) is an error, exit 2.
+    VERSION: the version, any unique prefix of it (model/tiny@6aa3), or `latest` (the default
+    for show and get); a run folder of `liftoff run` (runs/<experiment>/<date>_<time>...) stands
+    for its model. A store that does not exist (store.root, or store.bucket for MinIO) is an
+    error, exit 2.
     """
     from components.store import open_store
     from pipelines.artifacts import SUBCOMMANDS
@@ -241,11 +245,13 @@ def cmd_compare(args: list[str]) -> int:
     one HTML report with the tables and every run's curves overlaid.
 
     REF            a model/, eval/ or run/ version in the store (two or more); a model's newest
-                   evaluation is used, an eval/ REF names its own
+                   evaluation is used, an eval/ REF names its own. KIND/ may be left out (model),
+                   VERSION may be a unique prefix or `latest` (model/tiny@6aa3, tiny@latest), and
+                   a run folder of `liftoff run` (runs/<experiment>/<date>_<time>...) stands for
+                   that run's own evaluation
     --out PATH     where the report goes (default <train.run_dir>/compare/<date>_<time>.html)
     """
     import time
-    from pathlib import Path
 
     from components.store import open_store
     from pipelines.compare import compare
@@ -301,8 +307,6 @@ def cmd_run(args: list[str]) -> int:
 
 
 def cmd_compile(args: list[str]) -> int:
-    from pathlib import Path
-
     from pipelines.cluster import BUILD, compile_pipeline
 
     overrides = _overrides_only("compile", args)

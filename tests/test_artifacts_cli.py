@@ -186,6 +186,35 @@ def test_unpin_of_a_version_that_is_not_pinned_is_one_line_exit_2(lineage, capsy
     assert object_versions(store) == before
 
 
+# -- references: a unique version prefix, latest ---------------------------------------------------------
+
+
+def test_a_unique_version_prefix_names_the_version(lineage, capsys):
+    store, args = lineage
+    assert main(["artifacts", "show", "checkpoint/tiny@id-step2", *args]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "checkpoint/tiny@id-step20-bbb"
+    assert main(["artifacts", "show", "model/tiny@latest", "--json", *args]) == 0
+    assert '"version": "r1"' in capsys.readouterr().out
+    assert main(["artifacts", "pin", "run/id@launch", *args]) == 0
+    assert capsys.readouterr().out == "pinned run/id@launch-1\n" and store.is_pinned(Ref.parse("run/id@launch-1"))
+    assert main(["artifacts", "rm", "eval/tiny@e", *args]) == 0
+    assert capsys.readouterr().out == "removed eval/tiny@e1\n" and not store.holds(Ref.parse("eval/tiny@e1"))
+
+
+def test_an_ambiguous_version_prefix_is_one_line_naming_the_candidates(lineage, capsys):
+    store, args = lineage
+    before = object_versions(store)
+    for verb in ("show", "rm"):
+        assert main(["artifacts", verb, "checkpoint/tiny@id-step", *args]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == (
+            "liftoff artifacts: checkpoint/tiny@id-step is ambiguous: 2 versions start with 'id-step': "
+            "checkpoint/tiny@id-step10-aaa, checkpoint/tiny@id-step20-bbb\n"
+        )
+        assert captured.out == ""
+    assert object_versions(store) == before
+
+
 def test_show_marks_a_quarantined_parent(lineage, capsys):
     store, args = lineage
     store.check(Ref.parse("checkpoint/tiny@id-step10-aaa"))  # its payload was overwritten: it does not verify
