@@ -248,7 +248,8 @@ def cmd_compare(args: list[str]) -> int:
                    evaluation is used, an eval/ REF names its own. KIND/ may be left out (model),
                    VERSION may be a unique prefix or `latest` (model/tiny@6aa3, tiny@latest), and
                    a run folder of `liftoff run` (runs/<experiment>/<date>_<time>...) stands for
-                   that run's own evaluation
+                   that run's own evaluation. Runtime-only train keys (ports, folders, logging,
+                   checkpoint cadence) are not compared.
     --out PATH     where the report goes (default <train.run_dir>/compare/<date>_<time>.html)
     """
     import time

@@ -16,6 +16,7 @@ from components.config import CONF_DIR, defaults
 from components.store import KINDS, open_store
 from pipelines.artifacts import human_size, when
 from pipelines.cli import COMMANDS, main
+from pipelines.compare import RUNTIME_ONLY
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -347,6 +348,20 @@ def test_a_run_folder_that_did_not_finish_names_no_model_in_one_line(two_models,
         f"liftoff artifacts: run folder {folder} holds no eval_report.html: its run did not finish "
         "(its run.log says why)\n"
     )
+
+
+def test_compare_lists_each_differing_key_once_and_no_runtime_only_key(two_models, tmp_path, capsys):
+    _, args, _ = two_models
+    out = tmp_path / "c.html"
+    assert main(["compare", "model/tiny@aaaa1111", "model/tiny@bbbb2222", "--out", str(out), *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("config: "))
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("metrics:"))
+    differ = [ln.split()[0] for ln in lines[start + 1 : end]]
+    assert differ == ["train.lr", "train.steps"], lines  # not `steps` again, not the port, run dir, log interval
+    kept = [k for k in _train_config() if k not in RUNTIME_ONLY]
+    assert {"metrics_port", "run_dir", "log_interval", "checkpoint_keep"} & set(kept) == set()
+    assert lines[start] == f"config: 2 of {len(kept) + 3} keys differ"  # train.*, world, dataset, started
 
 
 def test_compare_takes_prefixes_latest_and_run_folders(two_models, tmp_path, capsys):
