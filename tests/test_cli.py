@@ -298,9 +298,9 @@ def _train_config(**changed) -> dict:
 @pytest.fixture
 def two_models(tmp_path):
     """A local store with model/tiny@aaaa1111 (lr 3e-3, 10 steps, evaluated twice: e-old, then
-    e-new) and model/tiny@bbbb2222 (lr 1e-3, 20 steps, evaluated once), whose runtime-only
-    settings (metrics port, run dir, log interval, checkpoint keep) differ too; and the run
-    folder `liftoff run` left for the first model's first evaluation."""
+    e-new) and model/tiny@bbbb2222 (lr 1e-3, 20 steps, activation checkpointing, evaluated
+    once), whose runtime-only settings (metrics port, run dir, log interval, checkpoint keep)
+    differ too; and the run folder `liftoff run` left for the first model's first evaluation."""
     from components.evaluate.report import identity_rows, report_html
 
     cfg = defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache"))
@@ -309,9 +309,15 @@ def two_models(tmp_path):
     src.mkdir()
     (src / "x.bin").write_bytes(b"x")
     store.publish("dataset", "kjv", "h1", src)
-    runtime = [
+    runtime = [  # the second run also checkpoints activations: outside the identity, yet it changes memory and speed
         {"metrics_port": 0, "run_dir": "runs", "log_interval": 10, "checkpoint_keep": 2},
-        {"metrics_port": 9400, "run_dir": "/scratch/runs", "log_interval": 1, "checkpoint_keep": 5},
+        {
+            "metrics_port": 9400,
+            "run_dir": "/scratch/runs",
+            "log_interval": 1,
+            "checkpoint_keep": 5,
+            "activation_checkpointing": True,
+        },
     ]
     models = []
     for version, lr, steps, extra in (("aaaa1111", 3e-3, 10, runtime[0]), ("bbbb2222", 1e-3, 20, runtime[1])):
@@ -358,10 +364,11 @@ def test_compare_lists_each_differing_key_once_and_no_runtime_only_key(two_model
     start = next(i for i, ln in enumerate(lines) if ln.startswith("config: "))
     end = next(i for i, ln in enumerate(lines) if ln.startswith("metrics:"))
     differ = [ln.split()[0] for ln in lines[start + 1 : end]]
-    assert differ == ["train.lr", "train.steps"], lines  # not `steps` again, not the port, run dir, log interval
+    # not `steps` again, not the port, run dir, log interval or checkpoint keep; what changes results, yes
+    assert differ == ["train.activation_checkpointing", "train.lr", "train.steps"], lines
     kept = [k for k in _train_config() if k not in RUNTIME_ONLY]
     assert {"metrics_port", "run_dir", "log_interval", "checkpoint_keep"} & set(kept) == set()
-    assert lines[start] == f"config: 2 of {len(kept) + 3} keys differ"  # train.*, world, dataset, started
+    assert lines[start] == f"config: 3 of {len(kept) + 3} keys differ"  # train.*, world, dataset, started
 
 
 def test_compare_takes_prefixes_latest_and_run_folders(two_models, tmp_path, capsys):
