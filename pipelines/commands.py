@@ -276,7 +276,14 @@ def cmd_run(args: list[str]) -> int:
     """The whole DAG locally through kfp.local: a status line per stage, then where everything
     is; `-v` streams every process's log as well; `-m` sweeps and ends with a table."""
     from components.preflight.plan_config import plan_refusal
-    from pipelines.local import display_path, expand_sweep, multirun_folder, new_run_folder, run_local
+    from pipelines.local import (
+        display_path,
+        expand_sweep,
+        missing_sources,
+        multirun_folder,
+        new_run_folder,
+        run_local,
+    )
     from pipelines.summary import summary_lines
     from pipelines.sweep import model_ref, model_refs, run_sweep, sweep_table, sweeper_of, without_hydra
 
@@ -290,6 +297,8 @@ def cmd_run(args: list[str]) -> int:
     for cfg, _ in composed:  # and its plan: a model that cannot fit fails in seconds, before tokenize
         if refusal := plan_refusal(OmegaConf.to_object(cfg)):
             raise ConfigError(refusal)
+        if missing := missing_sources(cfg):  # and its data: a file that is not there, before any stage
+            raise ConfigError(missing)
     sweep = multirun_folder() if multi else None
     rows = []
     for i, (job, (cfg, choices)) in enumerate(zip(jobs, composed, strict=True)):
