@@ -60,12 +60,21 @@ def check_kind(store: ArtifactStore, kind: str) -> str:
     return kind
 
 
+def is_directory(text: str) -> bool:
+    """Whether a word of the command line names a directory; False for a word no path can be (too
+    long a name, a NUL), where Path.is_dir would raise."""
+    try:
+        return Path(text).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def run_folder_refs(text: str) -> dict[str, str] | None:
     """The refs a run folder of `liftoff run` names ({"model": ..., "eval": ...}), from the header
     of the eval report it keeps; None when `text` is no run folder (a directory with `.hydra/`
     or the report). A run folder without the report (its run failed before evaluate) is an error."""
     folder = Path(text)
-    if not folder.is_dir() or not ((folder / ".hydra").is_dir() or (folder / REPORT).is_file()):
+    if not is_directory(text) or not ((folder / ".hydra").is_dir() or (folder / REPORT).is_file()):
         return None
     if not (folder / REPORT).is_file():
         raise UsageError(f"run folder {text} holds no {REPORT}: its run did not finish (its run.log says why)")

@@ -12,13 +12,13 @@ from omegaconf import OmegaConf
 
 from components.config import ConfigError, compose, compose_choices, config_groups
 from pipelines.artifacts import USAGE as ARTIFACTS_USAGE
-from pipelines.artifacts import UsageError
+from pipelines.artifacts import UsageError, is_directory
 
 
 def _split(args: list[str]) -> tuple[list[str], list[str]]:
     """Positional words vs Hydra overrides (anything with '=' or a leading '+'/'~'), except a
     directory: a run folder's name holds its overrides (`runs/tiny/<date>_<time>_lr=3e-3`)."""
-    overrides = [a for a in args if ("=" in a or a.startswith(("+", "~"))) and not Path(a).is_dir()]
+    overrides = [a for a in args if ("=" in a or a.startswith(("+", "~"))) and not is_directory(a)]
     return [a for a in args if a not in overrides], overrides
 
 

@@ -80,6 +80,17 @@ def test_a_value_of_the_wrong_type(workdir):
     assert_nothing_ran(workdir)
 
 
+def test_a_word_no_path_can_be_is_still_an_override_or_a_ref(workdir, store_args):
+    """Run folders are told from overrides and refs by looking on disk: a word too long to be a
+    file name is looked at, not raised on."""
+    long = "x" * 300
+    done = liftoff(workdir, "config", f"train.run_dir={long}", "-p", "train.run_dir")
+    assert done.returncode == 0 and done.stdout == f"{long}\n" and done.stderr == "", done.stderr
+    _, args = store_args
+    line = one_line(liftoff(workdir, "artifacts", "show", f"model/{long}", *args))
+    assert line.startswith(f"liftoff artifacts: invalid name '{long}': use letters, digits and "), line
+
+
 # -- liftoff run, refused before any stage ---------------------------------------------------------------
 
 
