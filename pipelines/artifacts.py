@@ -1,9 +1,17 @@
 """`liftoff artifacts ls | show | get | rm | pin | unpin`: the store's versions for people, sizes and
-dates readable; removing a version (and what names it) and keeping one from retention."""
+dates readable; removing a version (and what names it) and keeping one from retention.
+
+A reference on the command line is KIND/NAME[@VERSION]: VERSION may be `latest` (the default
+where a changing command does not need the version itself), any unique prefix of a stored
+version (`model/tiny@6aa3`), or the reference may be a run folder of `liftoff run`
+(`runs/<experiment>/<date>_<time>...`), which stands for the run's model (`compare`: its
+evaluation); the folder names both in its eval_report.html."""
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -11,8 +19,9 @@ from components.store import KINDS, ArtifactStore, Manifest, Ref, check_part
 
 USAGE = (
     "liftoff artifacts ls [KIND] | show KIND/NAME[@VERSION] [--json] | get KIND/NAME[@VERSION] [DEST]"
-    " | rm KIND/NAME@VERSION [--with-dependants] | pin KIND/NAME@VERSION | unpin KIND/NAME@VERSION"
+    " | rm KIND/NAME@VERSION [--with-dependants] [--force] | pin KIND/NAME@VERSION | unpin KIND/NAME@VERSION"
 )
+REPORT = "eval_report.html"  # what a run folder keeps of its evaluation (pipelines/summary.py keep_outputs)
 
 
 class UsageError(ValueError):
@@ -51,18 +60,71 @@ def check_kind(store: ArtifactStore, kind: str) -> str:
     return kind
 
 
-def parse_target(store: ArtifactStore, verb: str, text: str) -> tuple[str, str, str]:
-    """KIND/NAME[@VERSION] (or KIND/NAME/VERSION) as (kind, name, version or 'latest')."""
-    usage = f"usage: liftoff artifacts {verb} KIND/NAME[@VERSION]"
+def is_directory(text: str) -> bool:
+    """Whether a word of the command line names a directory; False for a word no path can be (too
+    long a name, a NUL), where Path.is_dir would raise."""
+    try:
+        return Path(text).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+def run_folder_refs(text: str) -> dict[str, str] | None:
+    """The refs a run folder of `liftoff run` names ({"model": ..., "eval": ...}), from the header
+    of the eval report it keeps; None when `text` is no run folder (a directory with `.hydra/`
+    or the report). A run folder without the report (its run failed before evaluate) is an error."""
+    folder = Path(text)
+    if not is_directory(text) or not ((folder / ".hydra").is_dir() or (folder / REPORT).is_file()):
+        return None
+    if not (folder / REPORT).is_file():
+        raise UsageError(f"run folder {text} holds no {REPORT}: its run did not finish (its run.log says why)")
+    header = (folder / REPORT).read_text(errors="replace").split("</header>", 1)[0]
+    rows = {html.unescape(k): html.unescape(v) for k, v in re.findall(r"<dt>(.*?)</dt><dd>(.*?)</dd>", header)}
+    refs = {key: rows[row] for key, row in (("model", "model"), ("eval", "evaluation")) if row in rows}
+    if "model" not in refs:
+        raise UsageError(f"run folder {text}: its {REPORT} names no model")
+    return refs
+
+
+def stored_version(store: ArtifactStore, kind: str, name: str, version: str, held: bool = False) -> str:
+    """The version `version` names: `latest`, itself, or the one version of kind/name it is a
+    prefix of (among the valid versions; held: among every version stored, quarantined ones
+    too). An ambiguous prefix is a one-line error naming the candidates; a version nothing
+    matches is returned as given (the caller's lookup then says it is not there)."""
+    if version == "latest":
+        return version
+    ref = Ref(kind, name, version)
+    if store.holds(ref) if held else store.exists(ref):
+        return version
+    listed = store.backend.list_prefixes(f"{kind}/{name}") if held else store.backend.list_manifests(f"{kind}/{name}")
+    matches = sorted(v for v in listed if v.startswith(version))
+    if len(matches) > 1:
+        shown = ", ".join(str(Ref(kind, name, v)) for v in matches[:8])
+        more = f" and {len(matches) - 8} more" if len(matches) > 8 else ""
+        raise UsageError(f"{ref} is ambiguous: {len(matches)} versions start with {version!r}: {shown}{more}")
+    return matches[0] if matches else version
+
+
+def parse_target(
+    store: ArtifactStore, verb: str, text: str, held: bool = False, usage: str | None = None
+) -> tuple[str, str, str]:
+    """KIND/NAME[@VERSION] (or KIND/NAME/VERSION), VERSION a unique prefix or `latest`, or a run
+    folder (its model), as (kind, name, the stored version or 'latest')."""
+    if (refs := run_folder_refs(text)) is not None:
+        ref = Ref.parse(refs["model"])
+        return ref.kind, ref.name, ref.version
+    usage = usage or f"usage: liftoff artifacts {verb} KIND/NAME[@VERSION]"
     parts = text.replace("@", "/", 1).split("/") if "@" in text else text.split("/")
     kind = check_kind(store, check_part(parts[0], "kind"))
     if len(parts) < 2 or not parts[1]:
         names = store.backend.list_prefixes(kind)
-        held = f"the {kind} names in {store.description}: {', '.join(names)}" if names else f"no {kind} is stored"
-        raise UsageError(f"{usage}: {text!r} names no artifact ({held})")
+        held_names = f"the {kind} names in {store.description}: {', '.join(names)}" if names else f"no {kind} is stored"
+        raise UsageError(f"{usage}: {text!r} names no artifact ({held_names})")
     if len(parts) > 3 or (len(parts) == 3 and not parts[2]):
         raise UsageError(f"{usage}: {text!r} is not an artifact reference")
-    return kind, check_part(parts[1], "name"), check_part(parts[2], "version") if len(parts) == 3 else "latest"
+    name = check_part(parts[1], "name")
+    version = check_part(parts[2], "version") if len(parts) == 3 else "latest"
+    return kind, name, stored_version(store, kind, name, version, held)
 
 
 def total_size(m: Manifest) -> int:
@@ -74,13 +136,16 @@ def cmd_ls(store: ArtifactStore, words: list[str]) -> int:
     if len(words) > 1:
         raise UsageError(f"usage: liftoff artifacts ls [KIND], got {' '.join(words)!r}")
     kind = check_kind(store, check_part(words[0], "kind")) if words else None
-    rows = []
+    rows, pins = [], {}
     for m in store.ls(kind):
         files = f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}"
-        rows.append((str(m.ref), when(m.created), files, human_size(total_size(m))))
+        if (m.ref.kind, m.ref.name) not in pins:  # one listing per name
+            pins[m.ref.kind, m.ref.name] = store.pinned_versions(m.ref.kind, m.ref.name)
+        pinned = "  pinned" if m.ref.version in pins[m.ref.kind, m.ref.name] else ""
+        rows.append((str(m.ref), when(m.created), files, human_size(total_size(m)), pinned))
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
     for row in rows:
-        print(f"{row[0]:<{widths[0]}}  {row[1]}  {row[2]:>{widths[2]}}  {row[3]:>10}")
+        print(f"{row[0]:<{widths[0]}}  {row[1]}  {row[2]:>{widths[2]}}  {row[3]:>10}{row[4]}")
     return 0
 
 
@@ -99,6 +164,12 @@ def show(store: ArtifactStore, m: Manifest) -> None:
     print(str(m.ref))
     print(f"  created       {when(m.created)} UTC")
     print(f"  code version  {m.code_version}")
+    pin = store.pin_record(m.ref)
+    if pin is None:
+        print("  pinned        no")
+    else:
+        reason = f": {pin['reason']}" if pin.get("reason") else ""
+        print(f"  pinned        since {when(pin.get('at') or '')} UTC{reason}")
     print(f"  metadata      {'' if m.metadata else '(none)'}".rstrip())
     for key, value in _leaves(m.metadata):
         print(f"    {key}: {value}")
@@ -148,11 +219,14 @@ def cmd_get(store: ArtifactStore, words: list[str]) -> int:
 
 
 def exact_ref(store: ArtifactStore, verb: str, words: list[str]) -> Ref:
-    """The one KIND/NAME@VERSION a changing command names; `latest` is not allowed here."""
-    usage = f"usage: liftoff artifacts {verb} KIND/NAME@VERSION" + (" [--with-dependants]" if verb == "rm" else "")
+    """The one KIND/NAME@VERSION a changing command names (VERSION or a unique prefix of one, among
+    every version stored, quarantined ones too); `latest` is not allowed here."""
+    usage = f"usage: liftoff artifacts {verb} KIND/NAME@VERSION" + (
+        " [--with-dependants] [--force]" if verb == "rm" else ""
+    )
     if len(words) != 1:
         raise UsageError(usage)
-    kind, name, version = parse_target(store, verb, words[0])
+    kind, name, version = parse_target(store, verb, words[0], held=True)
     if version == "latest":
         raise UsageError(f"{usage}: {verb} needs the version itself, {words[0]!r} names none")
     return Ref(kind, name, version)
@@ -160,10 +234,11 @@ def exact_ref(store: ArtifactStore, verb: str, words: list[str]) -> Ref:
 
 def cmd_rm(store: ArtifactStore, words: list[str]) -> int:
     """Remove a version: refused (one line naming them, exit 2) when some lineage names it, unless
-    --with-dependants, which removes those too. One line per version removed."""
-    with_dependants = "--with-dependants" in words
-    ref = exact_ref(store, "rm", [w for w in words if w != "--with-dependants"])
-    for removed in store.remove(ref, with_dependants=with_dependants):
+    --with-dependants, which removes those too; refused when it or one of those dependants is
+    pinned, unless --force. One line per version removed."""
+    with_dependants, force = "--with-dependants" in words, "--force" in words
+    ref = exact_ref(store, "rm", [w for w in words if w not in ("--with-dependants", "--force")])
+    for removed in store.remove(ref, with_dependants=with_dependants, force=force):
         print(f"removed {removed}")
     return 0
 

@@ -86,7 +86,7 @@ COMMANDS: dict[str, Command] = {
     "render": Command(
         cmd_render,
         "render [overrides]",
-        "what a cluster run creates: build/pretrain.yaml and build/jobs/{train,preflight}.yaml",
+        "what a cluster run creates (cluster configs: experiment=h200-7b): build/pretrain.yaml, build/jobs/",
     ),
     "upload": Command(
         cmd_upload,
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.local import RunFailed
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_terminal()
     try:
         return _dispatch(argv, (HydraException, OmegaConfBaseException, ValueError, StoreError, KfpError, RunFailed))
     except BrokenPipeError:  # `liftoff artifacts ls | head -1`: the reader left; so do we, quietly
@@ -130,6 +130,30 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:  # every process of the run is gone already (pipelines/interrupt.py)
         print(f"liftoff: {e.line}", file=sys.stderr, flush=True)
         return 130
+
+
+OWN_LOGGERS = ("components", "pipelines", "liftoff")
+
+
+def _quiet_terminal() -> None:
+    """What a person's terminal gets on stderr: liftoff's own one-line error (and the `warning:`
+    lines it prints) and log records of ERROR and above from liftoff itself; not INFO records,
+    a library's retries (urllib3's `Retrying`) or Python warnings (kfp.Client's FutureWarning),
+    which become log records. `liftoff run` points the handler at the run's log for the run
+    (pipelines/progress.py), which gets every record. A root logger configured already (a
+    test's capture, a program calling `main`) is left as it is."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    terminal = sys.stderr
+    handler = logging.StreamHandler(terminal)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(
+        lambda r: handler.stream is not terminal or (r.levelno >= logging.ERROR and r.name.split(".")[0] in OWN_LOGGERS)
+    )
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
 
 
 def _dispatch(argv: list[str], one_line_errors: tuple[type[BaseException], ...]) -> int:

@@ -67,6 +67,21 @@ def refuse_unrunnable(cfg: DictConfig) -> None:
         raise ConfigError("; ".join(problems))
 
 
+def refuse_local_render(cfg: DictConfig) -> None:
+    """`render` shows the Kubernetes objects of a cluster run; a config for this machine
+    (cluster.scheduler=local_cwd, the default) creates none, so it is refused in one line that
+    names a cluster preset (and `compile`, which writes the pipeline of any config)."""
+    from components.config import ConfigError
+
+    scheduler = getattr(cfg.cluster.scheduler, "value", cfg.cluster.scheduler)
+    if scheduler != "kubernetes":
+        raise ConfigError(
+            f"render shows the Kubernetes objects of a cluster run, and cluster.scheduler={scheduler} (this "
+            "machine) creates none: render a cluster preset (liftoff render experiment=h200-7b), or use "
+            "`liftoff compile` for the pipeline alone"
+        )
+
+
 def render(cfg: DictConfig, out: Path = BUILD) -> list[Path]:
     """What a cluster run would create, for review (like `helm template`) and schema tests:
     the compiled pipeline and TorchX's own Kubernetes dry run of the train and preflight jobs.
@@ -79,6 +94,7 @@ def render(cfg: DictConfig, out: Path = BUILD) -> list[Path]:
     from components.preflight.stage import preflight_launch
     from components.train.stage import train_launch
 
+    refuse_local_render(cfg)
     refuse_unrunnable(cfg)
     typed = OmegaConf.to_object(cfg)
     dataset = f"dataset/{typed.data.name}@RENDERED"

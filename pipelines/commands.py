@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from components.config import ConfigError, compose, compose_choices, config_groups
 from pipelines.artifacts import USAGE as ARTIFACTS_USAGE
-from pipelines.artifacts import UsageError
+from pipelines.artifacts import UsageError, is_directory
 
 
 def _split(args: list[str]) -> tuple[list[str], list[str]]:
-    """Positional words vs Hydra overrides (anything with '=' or a leading '+'/'~')."""
-    overrides = [a for a in args if "=" in a or a.startswith(("+", "~"))]
+    """Positional words vs Hydra overrides (anything with '=' or a leading '+'/'~'), except a
+    directory: a run folder's name holds its overrides (`runs/tiny/<date>_<time>_lr=3e-3`)."""
+    overrides = [a for a in args if ("=" in a or a.startswith(("+", "~"))) and not is_directory(a)]
     return [a for a in args if a not in overrides], overrides
 
 
@@ -83,17 +85,22 @@ def print_groups() -> None:
 def cmd_artifacts(args: list[str]) -> int:
     """List, inspect and download the versions in the store (store.* overrides choose it).
 
-    ls [KIND]                      every version (of one kind): ref, date, files, size
-    show KIND/NAME[@VERSION]       one version: created, code version, metadata, files, lineage;
-                                   --json prints its raw manifest; VERSION defaults to the latest
+    ls [KIND]                      every version (of one kind): ref, date, files, size, pinned
+    show KIND/NAME[@VERSION]       one version: created, code version, pin, metadata, files,
+                                   lineage; --json prints its raw manifest
     get KIND/NAME[@VERSION] [DEST] download it into DEST (default ./KIND-NAME-VERSION), checking
                                    every file's sha256, and print the folder
     rm KIND/NAME@VERSION           remove a version (every object, every S3 object version);
                                    refused when some lineage names it, unless --with-dependants,
-                                   which removes those versions too; prints what it removed
-    pin KIND/NAME@VERSION          keep a version from checkpoint retention (unpin: no longer)
+                                   which removes those versions too; refused when one of them is
+                                   pinned, unless --force; prints what it removed
+    pin KIND/NAME@VERSION          keep a version from checkpoint retention and rm (unpin: no
+                                   longer; unpinning a version that is not pinned is an error)
 
-    A store that does not exist (store.root, or store.bucket for MinIO) is an error, exit 2.
+    VERSION: the version, any unique prefix of it (model/tiny@6aa3), or `latest` (the default
+    for show and get); a run folder of `liftoff run` (runs/<experiment>/<date>_<time>...) stands
+    for its model. A store that does not exist (store.root, or store.bucket for MinIO) is an
+    error, exit 2.
     """
     from components.store import open_store
     from pipelines.artifacts import SUBCOMMANDS
@@ -238,11 +245,14 @@ def cmd_compare(args: list[str]) -> int:
     one HTML report with the tables and every run's curves overlaid.
 
     REF            a model/, eval/ or run/ version in the store (two or more); a model's newest
-                   evaluation is used, an eval/ REF names its own
+                   evaluation is used, an eval/ REF names its own. KIND/ may be left out (model),
+                   VERSION may be a unique prefix or `latest` (model/tiny@6aa3, tiny@latest), and
+                   a run folder of `liftoff run` (runs/<experiment>/<date>_<time>...) stands for
+                   that run's own evaluation. Runtime-only train keys (ports, folders, logging,
+                   checkpoint cadence) are not compared.
     --out PATH     where the report goes (default <train.run_dir>/compare/<date>_<time>.html)
     """
     import time
-    from pathlib import Path
 
     from components.store import open_store
     from pipelines.compare import compare
@@ -266,7 +276,14 @@ def cmd_run(args: list[str]) -> int:
     """The whole DAG locally through kfp.local: a status line per stage, then where everything
     is; `-v` streams every process's log as well; `-m` sweeps and ends with a table."""
     from components.preflight.plan_config import plan_refusal
-    from pipelines.local import display_path, expand_sweep, multirun_folder, new_run_folder, run_local
+    from pipelines.local import (
+        display_path,
+        expand_sweep,
+        missing_sources,
+        multirun_folder,
+        new_run_folder,
+        run_local,
+    )
     from pipelines.summary import summary_lines
     from pipelines.sweep import model_ref, model_refs, run_sweep, sweep_table, sweeper_of, without_hydra
 
@@ -280,6 +297,8 @@ def cmd_run(args: list[str]) -> int:
     for cfg, _ in composed:  # and its plan: a model that cannot fit fails in seconds, before tokenize
         if refusal := plan_refusal(OmegaConf.to_object(cfg)):
             raise ConfigError(refusal)
+        if missing := missing_sources(cfg):  # and its data: a file that is not there, before any stage
+            raise ConfigError(missing)
     sweep = multirun_folder() if multi else None
     rows = []
     for i, (job, (cfg, choices)) in enumerate(zip(jobs, composed, strict=True)):
@@ -298,8 +317,6 @@ def cmd_run(args: list[str]) -> int:
 
 
 def cmd_compile(args: list[str]) -> int:
-    from pathlib import Path
-
     from pipelines.cluster import BUILD, compile_pipeline
 
     overrides = _overrides_only("compile", args)
@@ -309,7 +326,10 @@ def cmd_compile(args: list[str]) -> int:
 
 
 def cmd_render(args: list[str]) -> int:
-    """What a cluster run would create: build/pretrain.yaml and build/jobs/{train,preflight}.yaml."""
+    """What a cluster run would create: build/pretrain.yaml and build/jobs/{train,preflight}.yaml.
+
+    Cluster configs only (cluster.scheduler=kubernetes: a preset such as experiment=h200-7b); the
+    default, local config is refused in one line, exit 2 (`liftoff compile` writes its pipeline)."""
     from pipelines.cluster import render
 
     overrides = _overrides_only("render", args)

@@ -1,5 +1,6 @@
 """`liftoff compare REF REF...`: runs side by side. Each REF is a model, eval or run version in
-the store; for each the model's manifest (its training config, precision, world, dataset), its
+the store (a unique version prefix or `latest` will do; KIND defaults to model), or a run folder
+of `liftoff run` (its evaluation); for each the model's manifest (its training config, precision, world, dataset), its
 architecture (config.json) and its training records (training_metrics.jsonl) are read, each
 file verified, with the newest evaluation of that model. Printed: the config keys that differ
 and the metrics with their deltas against the first REF; written: one HTML report with the
@@ -17,11 +18,22 @@ from components import page
 from components.plots import lines_png, read_timeline
 from components.store import ArtifactStore, Manifest, NotFound, Ref
 from components.train.report import final_metrics
+from components.train.stage import NOT_IDENTITY
+from pipelines.artifacts import parse_target, run_folder_refs
 
 COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 METRICS = ("val_loss", "val_perplexity", "val_bits_per_byte", "perplexity_vs_unigram", "final_loss",
            "final_val_loss", "tokens_per_s", "mfu", "peak_memory_gb", "skipped_steps", "loss_spikes")  # fmt: skip
 CURVES = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"), ("tokens_per_s", "tokens/s"))
+# train keys outside the training identity that still change what a run measures: its guards
+# (skips, rollbacks), its layout and compilation (throughput, memory), what MFU is against
+CHANGES_RESULTS = {
+    "resume", "val_interval", "on_nonfinite", "max_bad_steps", "on_spike", "loss_spike_factor", "max_spikes",
+    "peak_tflops", "compile", "fsdp_sync_every_microbatch", "dp_replicate", "tp", "pp", "pp_schedule",
+    "activation_checkpointing", "ac_every_n_blocks",
+}  # fmt: skip
+# where a run keeps its files, how often it logs, checkpoints and checks itself: not compared
+RUNTIME_ONLY = NOT_IDENTITY - CHANGES_RESULTS
 
 
 class CompareError(ValueError):
@@ -65,16 +77,29 @@ def _flat(prefix: str, value, out: dict) -> None:
         out[prefix] = value
 
 
+def compare_ref(store: ArtifactStore, text: str) -> Ref:
+    """The version a REF names: a run folder's evaluation (its model when it has none), or
+    [KIND/]NAME[@VERSION] with KIND model when left out and VERSION a unique prefix or `latest`."""
+    if (refs := run_folder_refs(text)) is not None:
+        return Ref.parse(refs.get("eval") or refs["model"])
+    if "/" not in text.split("@", 1)[0]:
+        text = f"model/{text}"
+    kind, name, version = parse_target(store, "compare", text, usage="usage: liftoff compare REF REF...")
+    return store.resolve(kind, name).ref if version == "latest" else Ref(kind, name, version)
+
+
 def load(store: ArtifactStore, text: str, label: str) -> Side:
     try:
-        ref = Ref.parse(text)
-        model, evaluation = _model_of(store, ref)
+        model, evaluation = _model_of(store, compare_ref(store, text))
     except NotFound as e:
         raise CompareError(f"{text}: {e}") from None
     config: dict[str, object] = {}
     meta = model.metadata
-    _flat("train", meta.get("train", {}), config)
-    config.update({"precision": meta.get("precision"), "world": meta.get("world"), "steps": meta.get("steps")})
+    train = {k: v for k, v in meta.get("train", {}).items() if k not in RUNTIME_ONLY}
+    _flat("train", train, config)
+    for key in ("precision", "world", "steps"):  # the run's own record; train.* has steps and precision already
+        if f"train.{key}" not in config:
+            config[key] = meta.get(key)
     config["dataset"] = next((p for p in model.parents if p.startswith("dataset/")), None)
     config["started"] = meta.get("continued", "fresh")
     with tempfile.TemporaryDirectory() as tmp:

@@ -46,6 +46,18 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(job) for job in itertools.product(*choices)]
 
 
+def missing_sources(cfg: DictConfig) -> str | None:
+    """Why the local data.paths cannot be read, in one line (None when they are all there):
+    checked before the run starts, where tokenize would find it only once the pipeline ran.
+    Relative paths are from the current directory, as `local_parameters` resolves them."""
+    missing = [p for p in cfg.data.paths if not p.startswith("s3://") and not Path(p).expanduser().exists()]
+    if not missing:
+        return None
+    relative = [p for p in missing if not Path(p).expanduser().is_absolute()]
+    where = f" (relative to {Path.cwd()})" if relative else ""
+    return f"data.paths: {', '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist{where}"
+
+
 def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False) -> dict:
     """The whole DAG through kfp.local (SubprocessRunner, current interpreter, caching on).
     What every process of the run prints goes to `folder`/run.log (and, `verbose`, to the

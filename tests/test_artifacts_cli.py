@@ -3,6 +3,7 @@ both backends; asserted on the objects the backend holds (S3: every object versi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -81,17 +82,20 @@ def test_rm_of_a_version_nothing_names(lineage, capsys):
     [
         (
             ["checkpoint/tiny"],
-            "usage: liftoff artifacts rm KIND/NAME@VERSION [--with-dependants]: rm needs the version itself, "
-            "'checkpoint/tiny' names none",
+            "usage: liftoff artifacts rm KIND/NAME@VERSION [--with-dependants] [--force]: rm needs the version "
+            "itself, 'checkpoint/tiny' names none",
         ),
-        ([], "usage: liftoff artifacts rm KIND/NAME@VERSION [--with-dependants]"),
+        (["checkpoint/tiny@latest"], "rm needs the version itself, 'checkpoint/tiny@latest' names none"),
+        ([], "usage: liftoff artifacts rm KIND/NAME@VERSION [--with-dependants] [--force]"),
     ],
 )
 def test_rm_needs_one_exact_version(lineage, capsys, words, err):
     store, args = lineage
     before = object_versions(store)
     assert main(["artifacts", "rm", *words, *args]) == 2
-    assert capsys.readouterr().err == f"liftoff artifacts: {err}\n" and object_versions(store) == before
+    captured = capsys.readouterr().err
+    assert captured.startswith("liftoff artifacts: ") and captured.endswith(f"{err}\n"), captured
+    assert len(captured.splitlines()) == 1 and object_versions(store) == before
 
 
 def test_rm_of_a_version_not_stored_is_one_line(lineage, capsys):
@@ -114,6 +118,101 @@ def test_pin_keeps_a_checkpoint_from_retention(store, store_cfg, tmp_path, capsy
     assert main(["artifacts", "unpin", str(refs[0]), *args]) == 0
     assert capsys.readouterr().out == f"unpinned {refs[0]}\n"
     assert apply_retention(store, "tiny", "id", keep=1) == [refs[0]]
+
+
+# -- pins: shown, and kept from rm ------------------------------------------------------------------
+
+
+def test_ls_and_show_say_which_versions_are_pinned(lineage, capsys):
+    store, args = lineage
+    store.pin(Ref.parse("model/tiny@r1"), reason="the release candidate")
+    assert main(["artifacts", "ls", *args]) == 0
+    rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()}
+    assert re.fullmatch(r"model/tiny@r1 +\d{4}-\d\d-\d\d \d\d:\d\d +1 file +832 B  pinned", rows["model/tiny@r1"])
+    assert [ref for ref, row in rows.items() if row.endswith("  pinned")] == ["model/tiny@r1"]
+    assert main(["artifacts", "show", "model/tiny@r1", *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"  pinned        since \d{4}-\d\d-\d\d \d\d:\d\d UTC: the release candidate", lines[3]), lines
+    assert main(["artifacts", "show", "eval/tiny@e1", *args]) == 0
+    assert capsys.readouterr().out.splitlines()[3] == "  pinned        no"
+
+
+def test_rm_refuses_a_pinned_version_unless_forced(lineage, capsys):
+    store, args = lineage
+    store.pin(Ref.parse("run/id@launch-1"))
+    before = object_versions(store)
+    assert main(["artifacts", "rm", "run/id@launch-1", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "liftoff artifacts: run/id@launch-1 is pinned; nothing removed (unpin, or --force removes pinned "
+        "versions too)\n"
+    )
+    assert captured.out == "" and object_versions(store) == before
+    assert main(["artifacts", "rm", "run/id@launch-1", "--force", *args]) == 0
+    assert capsys.readouterr().out == "removed run/id@launch-1\n"
+    assert keys_under(store, "run/id/launch-1") == []  # the pin went with it
+
+
+def test_rm_with_dependants_refuses_when_a_dependant_is_pinned_naming_it(lineage, capsys):
+    store, args = lineage
+    store.pin(Ref.parse("model/tiny@r1"))
+    before = object_versions(store)
+    assert main(["artifacts", "rm", "checkpoint/tiny@id-step10-aaa", "--with-dependants", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "liftoff artifacts: checkpoint/tiny@id-step10-aaa: its dependant model/tiny@r1 is pinned; nothing "
+        "removed (unpin, or --force removes pinned versions too)\n"
+    )
+    assert captured.out == "" and object_versions(store) == before  # not even the unpinned dependants went
+    assert main(["artifacts", "rm", "checkpoint/tiny@id-step10-aaa", "--with-dependants", "--force", *args]) == 0
+    assert capsys.readouterr().out == "".join(f"removed {r}\n" for r in REMOVED)
+    assert sorted(str(m.ref) for m in store.ls()) == ["checkpoint/tiny@id-step20-bbb", "dataset/kjv@h1"]
+
+
+@pytest.mark.parametrize(
+    ("ref", "err"),
+    [
+        ("run/id@launch-1", "run/id@launch-1 is not pinned"),
+        ("run/id@nope", "no version run/id@nope in {store} to unpin"),
+    ],
+    ids=["not-pinned", "not-stored"],
+)
+def test_unpin_of_a_version_that_is_not_pinned_is_one_line_exit_2(lineage, capsys, ref, err):
+    store, args = lineage
+    before = object_versions(store)
+    assert main(["artifacts", "unpin", ref, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"liftoff artifacts: {err.format(store=store.description)}\n" and captured.out == ""
+    assert object_versions(store) == before
+
+
+# -- references: a unique version prefix, latest ---------------------------------------------------------
+
+
+def test_a_unique_version_prefix_names_the_version(lineage, capsys):
+    store, args = lineage
+    assert main(["artifacts", "show", "checkpoint/tiny@id-step2", *args]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "checkpoint/tiny@id-step20-bbb"
+    assert main(["artifacts", "show", "model/tiny@latest", "--json", *args]) == 0
+    assert '"version": "r1"' in capsys.readouterr().out
+    assert main(["artifacts", "pin", "run/id@launch", *args]) == 0
+    assert capsys.readouterr().out == "pinned run/id@launch-1\n" and store.is_pinned(Ref.parse("run/id@launch-1"))
+    assert main(["artifacts", "rm", "eval/tiny@e", *args]) == 0
+    assert capsys.readouterr().out == "removed eval/tiny@e1\n" and not store.holds(Ref.parse("eval/tiny@e1"))
+
+
+def test_an_ambiguous_version_prefix_is_one_line_naming_the_candidates(lineage, capsys):
+    store, args = lineage
+    before = object_versions(store)
+    for verb in ("show", "rm"):
+        assert main(["artifacts", verb, "checkpoint/tiny@id-step", *args]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == (
+            "liftoff artifacts: checkpoint/tiny@id-step is ambiguous: 2 versions start with 'id-step': "
+            "checkpoint/tiny@id-step10-aaa, checkpoint/tiny@id-step20-bbb\n"
+        )
+        assert captured.out == ""
+    assert object_versions(store) == before
 
 
 def test_show_marks_a_quarantined_parent(lineage, capsys):

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from components.config import CONF_DIR, defaults
 from components.store import KINDS, open_store
 from pipelines.artifacts import human_size, when
 from pipelines.cli import COMMANDS, main
+from pipelines.compare import RUNTIME_ONLY
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -279,3 +281,110 @@ def test_a_reader_that_leaves_early_gets_no_traceback(shelf, tmp_path):
         err.seek(0)
         text = err.read()
     assert "Traceback" not in text and "BrokenPipe" not in text and "Exception ignored" not in text, text
+
+
+# -- compare and run folders, without training ---------------------------------------------------------
+
+
+def _train_config(**changed) -> dict:
+    """A model's `train` metadata as the train stage records it (every TrainConfig key)."""
+    import dataclasses
+
+    from components.config import as_plain_dict
+
+    return {**as_plain_dict(dataclasses.replace(defaults("train"))), **changed}
+
+
+@pytest.fixture
+def two_models(tmp_path):
+    """A local store with model/tiny@aaaa1111 (lr 3e-3, 10 steps, evaluated twice: e-old, then
+    e-new) and model/tiny@bbbb2222 (lr 1e-3, 20 steps, activation checkpointing, evaluated
+    once), whose runtime-only settings (metrics port, run dir, log interval, checkpoint keep)
+    differ too; and the run folder `liftoff run` left for the first model's first evaluation."""
+    from components.evaluate.report import identity_rows, report_html
+
+    cfg = defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache"))
+    store = open_store(cfg)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x.bin").write_bytes(b"x")
+    store.publish("dataset", "kjv", "h1", src)
+    runtime = [  # the second run also checkpoints activations: outside the identity, yet it changes memory and speed
+        {"metrics_port": 0, "run_dir": "runs", "log_interval": 10, "checkpoint_keep": 2},
+        {
+            "metrics_port": 9400,
+            "run_dir": "/scratch/runs",
+            "log_interval": 1,
+            "checkpoint_keep": 5,
+            "activation_checkpointing": True,
+        },
+    ]
+    models = []
+    for version, lr, steps, extra in (("aaaa1111", 3e-3, 10, runtime[0]), ("bbbb2222", 1e-3, 20, runtime[1])):
+        meta = {"train": _train_config(lr=lr, steps=steps, **extra), "steps": steps, "precision": "fp32", "world": 1}
+        models.append(store.publish("model", "tiny", version, src, metadata=meta, parents=["dataset/kjv@h1"]))
+    evals = {}
+    for version, model, loss in (("e-old", models[0], 5.0), ("e-new", models[0], 4.5), ("eb", models[1], 4.0)):
+        meta = {"metrics": {"val_loss": loss, "val_perplexity": 2.0**loss}}
+        evals[version] = store.publish("eval", "tiny", version, src, metadata=meta, parents=[str(model.ref)])
+        time.sleep(0.01)  # created stamps in order: the newest evaluation of model A is e-new
+    folder = tmp_path / "runs" / "tiny" / "2026-12-07_10-00-00_lr=3e-3"
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "config.yaml").write_text("{}\n")
+    identity = identity_rows(models[0], "dataset/kjv@h1", None, "2026-12-07 10:05 UTC", "eval/tiny@e-old")
+    (folder / "eval_report.html").write_text(report_html({"val_loss": 5.0}, [], None, identity=identity))
+    return store, [f"store.root={cfg.root}", f"store.cache_dir={cfg.cache_dir}"], folder
+
+
+def test_show_takes_a_run_folder_for_its_model(two_models, tmp_path, monkeypatch, capsys):
+    """As a person types it: relative, its name holding an override (`lr=3e-3`) and a slash."""
+    _, args, folder = two_models
+    monkeypatch.chdir(tmp_path)
+    relative = str(folder.relative_to(tmp_path)) + "/"
+    assert main(["artifacts", "show", relative, *args]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "model/tiny@aaaa1111"
+
+
+def test_a_run_folder_that_did_not_finish_names_no_model_in_one_line(two_models, capsys):
+    _, args, folder = two_models
+    (folder / "eval_report.html").unlink()
+    assert main(["artifacts", "show", str(folder), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"liftoff artifacts: run folder {folder} holds no eval_report.html: its run did not finish "
+        "(its run.log says why)\n"
+    )
+
+
+def test_compare_lists_each_differing_key_once_and_no_runtime_only_key(two_models, tmp_path, capsys):
+    _, args, _ = two_models
+    out = tmp_path / "c.html"
+    assert main(["compare", "model/tiny@aaaa1111", "model/tiny@bbbb2222", "--out", str(out), *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("config: "))
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("metrics:"))
+    differ = [ln.split()[0] for ln in lines[start + 1 : end]]
+    # not `steps` again, not the port, run dir, log interval or checkpoint keep; what changes results, yes
+    assert differ == ["train.activation_checkpointing", "train.lr", "train.steps"], lines
+    kept = [k for k in _train_config() if k not in RUNTIME_ONLY]
+    assert {"metrics_port", "run_dir", "log_interval", "checkpoint_keep"} & set(kept) == set()
+    assert lines[start] == f"config: 3 of {len(kept) + 3} keys differ"  # train.*, world, dataset, started
+
+
+def test_compare_takes_prefixes_latest_and_run_folders(two_models, tmp_path, capsys):
+    """A run folder stands for its own evaluation (e-old), where the model's ref gets its newest
+    (e-new); `tiny@latest` is model/tiny's newest version; a prefix names the one version."""
+    _, args, folder = two_models
+    out = ["--out", str(tmp_path / "c.html")]
+    assert main(["compare", str(folder), "tiny@latest", *out, *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [
+        "A: model/tiny@aaaa1111  (eval eval/tiny@e-old)",
+        "B: model/tiny@bbbb2222  (eval eval/tiny@eb)",
+    ]
+    assert main(["compare", "model/tiny@aaaa", "model/tiny@bb", *out, *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [
+        "A: model/tiny@aaaa1111  (eval eval/tiny@e-new)",
+        "B: model/tiny@bbbb2222  (eval eval/tiny@eb)",
+    ]

@@ -10,7 +10,7 @@ Import from here.
 
 from components.store.artifacts import ArtifactStore, Backend, open_store
 from components.store.connection import Connection
-from components.store.deletion import HasDependants
+from components.store.deletion import HasDependants, Pinned
 from components.store.keys import (
     KINDS,
     MANIFEST,
@@ -54,6 +54,7 @@ __all__ = [
     "MinioBackend",
     "NotFound",
     "ObjectSource",
+    "Pinned",
     "Ref",
     "SourceObject",
     "apply_retention",

@@ -1,6 +1,7 @@
 """Pins, dependants and deletion: what keeps a version, what its removal would break, removing it.
 
-A pin (`<prefix>/manifest.pinned.json`) keeps a version from retention. `delete` removes a version:
+A pin (`<prefix>/manifest.pinned.json`) keeps a version from retention, and from `remove` unless
+forced. `delete` removes a version:
 the manifest first (a half-deleted version is invisible), then every object and, on a versioned
 bucket, every object version under its prefix. `Deletion` is that part of ArtifactStore (artifacts.py).
 """
@@ -32,9 +33,23 @@ class HasDependants(StoreError):
         )
 
 
+class Pinned(StoreError):
+    """A removal that would take a pinned version (the one named, or a dependant of it)."""
+
+    def __init__(self, ref: Ref, pinned: list[Ref]):
+        self.ref, self.pinned = ref, pinned
+        others = [r for r in pinned if r != ref]
+        what = f"{ref} is pinned" if ref in pinned else f"{ref}:"
+        if others:
+            many = len(others) > 1
+            what += " and" if ref in pinned else ""
+            what += f" its dependant{'s' * many} {', '.join(map(str, others))} {'are' if many else 'is'} pinned"
+        super().__init__(f"{what}; nothing removed (unpin, or --force removes pinned versions too)")
+
+
 class Deletion:
-    """pin, unpin, is_pinned, dependants, holds, delete, remove: mixed into ArtifactStore, whose
-    backend, description, exists, quarantined and ls they use."""
+    """pin, unpin, pin_record, is_pinned, pinned_versions, dependants, holds, delete, remove: mixed
+    into ArtifactStore, whose backend, description, exists, quarantined and ls they use."""
 
     backend: Backend
     description: str
@@ -46,14 +61,35 @@ class Deletion:
         self.backend.put_bytes(f"{ref.prefix}/{PINNED}", json.dumps({"reason": reason, "at": utc_now()}).encode())
 
     def unpin(self, ref: Ref) -> None:
+        """Let retention have a version again; NotFound when it is not stored, or not pinned."""
+        if not self.is_pinned(ref):
+            if not self.holds(ref):
+                raise NotFound(f"no version {ref} in {self.description} to unpin")
+            raise NotFound(f"{ref} is not pinned")
         self.backend.delete(f"{ref.prefix}/{PINNED}")
 
-    def is_pinned(self, ref: Ref) -> bool:
+    def pin_record(self, ref: Ref) -> dict | None:
+        """The pin of a version (`{"reason", "at"}`), None when it is not pinned."""
         try:
-            self.backend.get_bytes(f"{ref.prefix}/{PINNED}")
-            return True
+            raw = self.backend.get_bytes(f"{ref.prefix}/{PINNED}")
         except NotFound:
-            return False
+            return None
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            record = None
+        return record if isinstance(record, dict) else {"reason": "", "at": ""}
+
+    def is_pinned(self, ref: Ref) -> bool:
+        return self.pin_record(ref) is not None
+
+    def pinned_versions(self, kind: str, name: str) -> set[str]:
+        """The pinned versions of kind/name, from one listing."""
+        return {
+            rel.split("/", 1)[0]
+            for rel in self.backend.list_sizes(f"{kind}/{name}")
+            if rel.count("/") == 1 and rel.endswith(f"/{PINNED}")
+        }
 
     def dependants(self, ref: Ref, manifests: Iterable[Manifest] | None = None) -> list[Ref]:
         """Every version whose lineage names ref (through its parents, theirs, ...), each after
@@ -97,15 +133,19 @@ class Deletion:
         log.info("deleted %s from %s (%d objects)", ref, self.description, removed)
         return removed
 
-    def remove(self, ref: Ref, with_dependants: bool = False) -> list[Ref]:
+    def remove(self, ref: Ref, with_dependants: bool = False, force: bool = False) -> list[Ref]:
         """Delete ref; with_dependants: and every version whose lineage names it, each before the
         versions it was made from (a crash half-way leaves no lineage naming a deleted version). Without it, a version
-        some lineage names is refused: HasDependants lists them. What was removed, in order."""
+        some lineage names is refused: HasDependants lists them. A pinned version among those
+        to go refuses the whole removal (Pinned names them) unless force. What was removed, in order."""
         dependants = self.dependants(ref)
         if dependants and not with_dependants:
             raise HasDependants(ref, dependants)
         if not self.holds(ref):
             raise NotFound(f"no version {ref} in {self.description}")
+        pinned = [r for r in [ref, *dependants] if self.is_pinned(r)]
+        if pinned and not force:
+            raise Pinned(ref, pinned)
         removed = []
         for r in [*reversed(dependants), ref]:
             if self.holds(r):

@@ -536,6 +536,30 @@ def test_render_refuses_a_cluster_run_that_cannot_work_in_one_line(tmp_path, mon
     assert not (tmp_path / "build").exists()
 
 
+def test_render_with_the_default_local_config_refuses_in_one_line_naming_a_preset_that_renders(
+    tmp_path, monkeypatch, capsys
+):
+    """Issue 43, point 2: `liftoff render` with no overrides (cluster.scheduler=local_cwd) was a
+    26-line TorchX traceback; it is one line naming a cluster preset, and that preset renders."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["render"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "liftoff render: render shows the Kubernetes objects of a cluster run, and cluster.scheduler=local_cwd "
+        "(this machine) creates none: render a cluster preset (liftoff render experiment=h200-7b), or use "
+        "`liftoff compile` for the pipeline alone\n"
+    )
+    assert not (tmp_path / "build").exists()
+    assert main(["render", "experiment=h200-7b"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "wrote build/pretrain.yaml",
+        "wrote build/jobs/train.yaml",
+        "wrote build/jobs/preflight.yaml",
+    ]
+    train = yaml.safe_load((tmp_path / "build" / "jobs" / "train.yaml").read_text())
+    assert train["kind"] == "Job" and train["apiVersion"].startswith("batch.volcano.sh/")
+
+
 def test_host_network_replicas_keep_resolving_cluster_services():
     """cluster.host_network=true (RDMA NICs without Multus): every replica pod is on the node's
     network and keeps cluster DNS (ClusterFirstWithHostNet), so the store's service name still

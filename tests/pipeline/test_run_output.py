@@ -111,9 +111,19 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     return err[0]
 
 
-def test_a_missing_data_file_is_one_line_naming_it(tmp_path):
-    err = one_error_line(liftoff(tmp_path, "run", *RELATIVE[1:], "data.paths=[/nonexistent.jsonl]"))
-    assert "stage tokenize failed" in err and "/nonexistent.jsonl" in err
+def test_a_missing_data_file_is_one_line_naming_it_before_any_stage(tmp_path):
+    """Issue 43, point 4: refused as the config is, not by tokenize once the run has begun."""
+    proc = liftoff(tmp_path, "run", *RELATIVE[1:], "data.paths=[/nonexistent.jsonl]")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr == "liftoff run: data.paths: /nonexistent.jsonl does not exist\n"
+    assert list(tmp_path.iterdir()) == []  # no run folder, no local_outputs/, no store
+
+
+def test_data_tokenize_cannot_read_is_one_line_naming_the_stage_and_its_log(tmp_path):
+    """A data path that is there but holds no data fails in tokenize: the stage's line, its log."""
+    (tmp_path / "empty").mkdir()
+    err = one_error_line(liftoff(tmp_path, "run", *RELATIVE[1:], f"data.paths=[{tmp_path / 'empty'}]"))
+    assert "stage tokenize failed" in err and f"directory {tmp_path / 'empty'} has no" in err, err
     log = tmp_path / re.search(r"full log: (\S+)\)$", err).group(1)
     assert log.is_file() and "Traceback" in log.read_text()
 
