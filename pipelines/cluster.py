@@ -236,7 +236,7 @@ def submit(cfg: DictConfig, job_overrides: list[str], experiment: str) -> str:
             experiment_name=experiment,
             namespace=cfg.kfp.namespace,
             service_account=cfg.kfp.service_account,
-            enable_caching=True,
+            enable_caching=None,  # each task as compiled: preflight and the tokenize plan never cached
         ),
         cfg,
     )

@@ -100,6 +100,19 @@ def test_submit_sweep_makes_one_run_per_job_in_one_experiment(in_tmp, capsys):
             assert "liftoff-minio" in json.dumps(run["pipeline_spec"]["platform_spec"])
 
 
+def test_submit_keeps_the_compiled_caching_of_each_task(in_tmp):
+    """Issue 42, acceptance 6: the run body `submit` sends keeps preflight's and the tokenize
+    plan's caching off (a stale verdict or plan must never be reused) and train's on; the kfp
+    client's enable_caching=True would rewrite every task's cachingOptions to enableCache=True."""
+    with FakeKfp() as kfp:
+        assert main(["submit", f"kfp.host={kfp.url}"]) == 0
+    (sent,) = [r for r in kfp.requests if r["method"] == "POST" and r["path"] == "/apis/v2beta1/runs"]
+    tasks = json.loads(sent["body"])["pipeline_spec"]["pipeline_spec"]["root"]["dag"]["tasks"]
+    assert not tasks["preflight"].get("cachingOptions", {}).get("enableCache")
+    assert not tasks["tokenize-plan"].get("cachingOptions", {}).get("enableCache")
+    assert tasks["train"]["cachingOptions"] == {"enableCache": True}
+
+
 def test_submit_without_a_host_is_one_clear_line(in_tmp, capsys, monkeypatch):
     monkeypatch.delenv("KF_PIPELINES_ENDPOINT", raising=False)
     assert main(["submit"]) == 2
