@@ -39,10 +39,11 @@ def refuse_unrunnable(cfg: DictConfig) -> None:
     """A cluster run that cannot work, refused before anything is compiled or sent, in one
     line: a local store on Kubernetes (every pod would write its own disk, and no stage would
     see another's artifacts), one process for several GPUs (the tiny preset's procs_per_node=1
-    beside cluster.gpu=8: 7 idle), or a plan that does not fit the device."""
+    beside cluster.gpu=8: 7 idle), a plan that does not fit the device, or data that cannot
+    fill one step (the shipped corpus under a cluster preset's global batch)."""
     from omegaconf import OmegaConf
 
-    from components.config import ConfigError, Scheduler, StoreBackend
+    from components.config import CONF_DIR, ConfigError, Scheduler, StoreBackend
     from components.preflight.plan_config import plan_refusal
 
     typed = OmegaConf.to_object(cfg)
@@ -63,8 +64,56 @@ def refuse_unrunnable(cfg: DictConfig) -> None:
     judged = c.scheduler != Scheduler.kubernetes or c.gpu_type or typed.preflight.device_memory_gb
     if judged and (refusal := plan_refusal(typed)):
         problems.append(refusal)
+    if refusal := data_fit_refusal(typed.data, typed.train, c, CONF_DIR.parent):
+        problems.append(refusal)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def source_bytes(paths: list[str], root: Path) -> int | None:
+    """The bytes of `data.paths` when every entry is a local file or directory (relative to the
+    current directory, else to `root`, the checkout whose files the image carries); None when
+    one is not measurable from here (an s3:// prefix, a path this machine does not have)."""
+    from components.tokenize.sources import BUILDERS
+
+    total = 0
+    for raw in paths:
+        if "://" in raw:
+            return None
+        p = Path(raw).expanduser()
+        p = p if p.is_absolute() or p.exists() else root / p
+        if p.is_file():
+            total += p.stat().st_size
+        elif p.is_dir():
+            total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
+        else:
+            return None
+    return total
+
+
+def data_fit_refusal(data, train, cluster, root: Path) -> str | None:
+    """One line when the data cannot fill one optimizer step, judged before tokenize from the
+    source bytes: no tokenizer makes more than one token per byte (a byte-level BPE makes at
+    most one; JSON's quoting and keys outweigh the EOS per document), so `bytes // (seq_len + 1)`
+    bounds the train split's blocks from above. None when it may fit or cannot be measured
+    here (a hub dataset, s3:// sources: train's check_inputs judges the tokenized dataset)."""
+    if data.hub_name and not data.paths:
+        return None
+    size = source_bytes(list(data.paths), root)
+    if size is None:
+        return None
+    from components.train.prelaunch import blocks_per_step
+
+    world, per_step = blocks_per_step(train, cluster)
+    block = data.seq_len + 1
+    if size // block >= per_step:
+        return None
+    return (
+        f"the data cannot fill one step: train.micro_batch_size={train.micro_batch_size} x "
+        f"train.grad_accum_steps={train.grad_accum_steps} x data-parallel world {world} = {per_step} blocks of "
+        f"{block} tokens per step, but data.paths ({size} bytes) gives at most {size // block} (one token per "
+        f"byte at most); name more data (data.paths=[s3://<bucket>/<prefix>], or data=hub) or a smaller batch"
+    )
 
 
 def refuse_local_render(cfg: DictConfig) -> None:
@@ -77,8 +126,8 @@ def refuse_local_render(cfg: DictConfig) -> None:
     if scheduler != "kubernetes":
         raise ConfigError(
             f"render shows the Kubernetes objects of a cluster run, and cluster.scheduler={scheduler} (this "
-            "machine) creates none: render a cluster preset (liftoff render experiment=h200-7b), or use "
-            "`liftoff compile` for the pipeline alone"
+            "machine) creates none: render a cluster preset on data that fills its steps (liftoff render "
+            "experiment=h200-7b data=hub data.hub_revision=<commit>), or use `liftoff compile` for the pipeline alone"
         )
 
 

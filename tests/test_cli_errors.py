@@ -137,8 +137,8 @@ def test_an_unreachable_kubeflow_pipelines_host(workdir, command):
 def test_render_with_the_default_config(workdir):
     assert one_line(liftoff(workdir, "render")) == (
         "liftoff render: render shows the Kubernetes objects of a cluster run, and cluster.scheduler=local_cwd "
-        "(this machine) creates none: render a cluster preset (liftoff render experiment=h200-7b), or use "
-        "`liftoff compile` for the pipeline alone"
+        "(this machine) creates none: render a cluster preset on data that fills its steps (liftoff render "
+        "experiment=h200-7b data=hub data.hub_revision=<commit>), or use `liftoff compile` for the pipeline alone"
     )
     assert_nothing_ran(workdir)
 

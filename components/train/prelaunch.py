@@ -34,6 +34,12 @@ def check_shape(meta: dict, model: ModelConfig, where: str) -> None:
         )
 
 
+def blocks_per_step(train: TrainConfig, cluster: ClusterConfig) -> tuple[int, int]:
+    """(data-parallel world, blocks one optimizer step reads): data-parallel ranks read distinct blocks."""
+    world = cluster.nodes * cluster.procs_per_node // (train.tp * train.pp)
+    return world, train.micro_batch_size * train.grad_accum_steps * world
+
+
 def check_inputs(
     dataset: Manifest,
     model: ModelConfig,
@@ -61,8 +67,7 @@ def check_inputs(
             f"the dataset's blocks hold seq_len={stats['seq_len']} tokens, more than "
             f"model.max_seq_len={model.max_seq_len}"
         )
-    world = cluster.nodes * cluster.procs_per_node // (train.tp * train.pp)  # data-parallel ranks read distinct blocks
-    per_step = train.micro_batch_size * train.grad_accum_steps * world
+    world, per_step = blocks_per_step(train, cluster)
     n_blocks = stats["splits"]["train"]["blocks"]
     if n_blocks < per_step:
         raise DataFitError(

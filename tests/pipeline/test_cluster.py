@@ -546,11 +546,11 @@ def test_render_with_the_default_local_config_refuses_in_one_line_naming_a_prese
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == (
         "liftoff render: render shows the Kubernetes objects of a cluster run, and cluster.scheduler=local_cwd "
-        "(this machine) creates none: render a cluster preset (liftoff render experiment=h200-7b), or use "
-        "`liftoff compile` for the pipeline alone\n"
+        "(this machine) creates none: render a cluster preset on data that fills its steps (liftoff render "
+        "experiment=h200-7b data=hub data.hub_revision=<commit>), or use `liftoff compile` for the pipeline alone\n"
     )
     assert not (tmp_path / "build").exists()
-    assert main(["render", "experiment=h200-7b"]) == 0
+    assert main(["render", "experiment=h200-7b", "data=hub", f"data.hub_revision={'0' * 40}"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "wrote build/pretrain.yaml",
         "wrote build/jobs/train.yaml",
@@ -558,6 +558,28 @@ def test_render_with_the_default_local_config_refuses_in_one_line_naming_a_prese
     ]
     train = yaml.safe_load((tmp_path / "build" / "jobs" / "train.yaml").read_text())
     assert train["kind"] == "Job" and train["apiVersion"].startswith("batch.volcano.sh/")
+
+
+@pytest.mark.parametrize("command", ["render", "submit"])
+def test_the_guides_first_submit_on_the_shipped_corpus_is_refused_before_any_kfp_call(
+    tmp_path, monkeypatch, capsys, command
+):
+    """Issue 42, acceptance 2: experiment=h200-7b on the default data (the shipped 702 KB corpus,
+    at most 171 blocks of 4097 tokens) cannot fill one step of 2 x 8 x 4 x 4 = 256 blocks; render
+    and submit refuse it in one line with both numbers, before any call to KFP (and with nothing
+    written), estimated from the source bytes since the corpus is not tokenized yet."""
+    from tests.pipeline.fake_kfp import FakeKfp
+
+    monkeypatch.chdir(tmp_path)  # data.paths' corpus/kjv.jsonl: the checkout's, as the image carries it
+    monkeypatch.setenv("MINIO_ACCESS_KEY", S3_ACCESS_KEY)
+    monkeypatch.setenv("MINIO_SECRET_KEY", S3_SECRET_KEY)
+    with FakeKfp() as kfp:
+        assert main([command, "experiment=h200-7b", f"kfp.host={kfp.url}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    size = (ROOT / "corpus" / "kjv.jsonl").stat().st_size
+    assert len(err) == 1 and "the data cannot fill one step" in err[0], err
+    assert f"= 256 blocks of 4097 tokens per step, but data.paths ({size} bytes) gives at most {size // 4097}" in err[0]
+    assert kfp.requests == [] and not (tmp_path / "build").exists()
 
 
 def test_host_network_replicas_keep_resolving_cluster_services():
