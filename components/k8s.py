@@ -37,6 +37,11 @@ NODE_NAME_FROM_POD = "[FIELD_PATH]spec.nodeName"  # TorchX turns this into a fie
 # matters only to RestartJob: AbortJob never retries. No TaskCompleted -> CompleteJob: rank 0's
 # task may end while the others still upload their checkpoint shards.
 JOB_POLICIES = ({"event": "PodEvicted", "action": "AbortJob"}, {"event": "PodFailed", "action": "AbortJob"})
+# The namespace Prometheus scrapes from (kube-prometheus-stack's usual one). Volcano's svc plugin
+# gives every job a NetworkPolicy admitting only that job's own pods (volcano-sh/volcano
+# pkg/controllers/job/plugins/svc/svc.go); policies add up, so the one `metrics_policy` writes
+# admits this namespace to the replicas' metrics port beside it.
+MONITORING_NAMESPACE = "monitoring"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -194,6 +199,27 @@ def finish_job(
                 ]
             container.env = env
     return resource
+
+
+def metrics_policy(namespace: str, port: int, monitoring: str = MONITORING_NAMESPACE) -> dict[str, Any]:
+    """A NetworkPolicy admitting the monitoring namespace's pods to the metrics port of every
+    liftoff replica pod (labelled JOB_LABEL by finish_job) in `namespace`: without it the
+    policy Volcano's svc plugin adds lets only the job's own pods in, and nothing is scraped."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "liftoff-metrics", "namespace": namespace},
+        "spec": {
+            "podSelector": {"matchExpressions": [{"key": JOB_LABEL, "operator": "Exists"}]},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": monitoring}}}],
+                    "ports": [{"protocol": "TCP", "port": port}],
+                }
+            ],
+        },
+    }
 
 
 def _scraped(pod, port: int) -> None:

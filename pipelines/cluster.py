@@ -159,6 +159,10 @@ def render(cfg: DictConfig, out: Path = BUILD) -> list[Path]:
         path = out / "jobs" / f"{stage}.yaml"
         path.write_text(yaml.safe_dump(job, sort_keys=False))
         written.append(path)
+    if typed.train.metrics_port:  # the monitoring namespace let in past the policy Volcano adds per job
+        path = out / "networkpolicy.yaml"
+        path.write_text(yaml.safe_dump(k8s.metrics_policy(namespace, typed.train.metrics_port), sort_keys=False))
+        written.append(path)
     return written
 
 

@@ -58,6 +58,7 @@ def rendered(tmp_path_factory):
         "pipeline": list(yaml.safe_load_all((build / "pretrain.yaml").read_text())),
         "train": yaml.safe_load((build / "jobs" / "train.yaml").read_text()),
         "preflight": yaml.safe_load((build / "jobs" / "preflight.yaml").read_text()),
+        "policy": yaml.safe_load((build / "networkpolicy.yaml").read_text()),
         "text": "".join(p.read_text() for p in build.rglob("*.yaml")),
     }
 
@@ -404,6 +405,53 @@ def test_train_replicas_carry_the_scrape_annotations_and_the_port_the_podmonitor
             assert ports[endpoint["port"]] == 9400
     for task in rendered["preflight"]["spec"]["tasks"]:
         assert "prometheus.io/scrape" not in task["template"]["metadata"].get("annotations", {})
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A label selector's matchLabels and matchExpressions against a pod's labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        op, present = e["operator"], e["key"] in labels
+        if op == "Exists" and not present or op == "DoesNotExist" and present:
+            return False
+        if op == "In" and labels.get(e["key"]) not in e["values"]:
+            return False
+        if op == "NotIn" and present and labels[e["key"]] in e["values"]:
+            return False
+    return True
+
+
+def test_render_admits_the_monitoring_namespace_to_the_replicas_metrics_port(rendered):
+    """Issue 42, acceptance 7: Volcano's svc plugin gives each job a NetworkPolicy admitting only
+    its own pods, so Prometheus scraped nothing; render writes a policy (schema-checked) whose
+    podSelector selects every rendered train replica pod and admits the monitoring namespace on
+    the port the pods name `metrics`. The policy selects no KFP task pod."""
+    import kubernetes_validate
+
+    policy = rendered["policy"]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"] and policy["metadata"]["namespace"] == "default"
+    for task in rendered["train"]["spec"]["tasks"]:
+        pod = task["template"]
+        assert _selects(spec["podSelector"], pod["metadata"]["labels"])
+        (port,) = [p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"] if p["name"] == "metrics"]
+        admitted = [
+            rule
+            for rule in spec["ingress"]
+            if {"protocol": "TCP", "port": port} in rule["ports"]
+            and any(
+                _selects(
+                    peer.get("namespaceSelector", {"matchLabels": {"-": "-"}}),
+                    {"kubernetes.io/metadata.name": k8s.MONITORING_NAMESPACE},
+                )
+                and "podSelector" not in peer
+                for peer in rule["from"]
+            )
+        ]
+        assert admitted, spec["ingress"]
+    assert not _selects(spec["podSelector"], {"pipelines.kubeflow.org/v2_component": "true"})
 
 
 def test_the_train_job_keeps_checkpoints_and_the_data_cache_on_the_volume(rendered):
