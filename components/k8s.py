@@ -266,6 +266,9 @@ def _fabric(pod, cluster) -> None:
     scratch = sum(v.size_gb or 0 for v in cluster.volumes if v.kind == "emptyDir" and not v.medium)
     for container in spec.containers:
         resources = container.resources
+        for name in ("cpu", "memory"):  # requests == limits: Guaranteed QoS (CPU pinning, NUMA alignment)
+            if name in (resources.limits or {}):
+                resources.requests[name] = resources.limits[name]
         for name, count in cluster.extra_resources.items():
             resources.limits[name] = resources.requests[name] = str(count)
         if storage := cluster.ephemeral_storage_gb + scratch:  # an emptyDir on disk counts as ephemeral

@@ -454,6 +454,26 @@ def test_render_admits_the_monitoring_namespace_to_the_replicas_metrics_port(ren
     assert not _selects(spec["podSelector"], {"pipelines.kubeflow.org/v2_component": "true"})
 
 
+@pytest.mark.parametrize("job", ["train", "preflight"])
+def test_replicas_get_guaranteed_qos(rendered, job):
+    """Issue 42, acceptance 9: requests == limits for cpu and memory in every replica container
+    (TorchX requested 100m and 1 GiB less: Burstable, no CPU pinning or NUMA alignment)."""
+    for task in rendered[job]["spec"]["tasks"]:
+        for c in task["template"]["spec"]["containers"]:
+            r = c["resources"]
+            assert {k: r["requests"][k] for k in ("cpu", "memory")} == {k: r["limits"][k] for k in ("cpu", "memory")}
+
+
+@pytest.mark.parametrize("preset", ["h200-7b", "h200-70b"])
+def test_the_presets_select_the_gpu_product_of_their_gpu_type(preset):
+    """Issue 42, acceptance 9: a preset's replicas land only on nodes whose GPU operator label
+    names cluster.gpu_type (the device the plan was judged against)."""
+    from components.config import compose
+
+    c = compose([f"experiment={preset}"]).cluster
+    assert c.node_selector["nvidia.com/gpu.product"] == f"NVIDIA-{c.gpu_type}"
+
+
 def test_the_train_job_keeps_checkpoints_and_the_data_cache_on_the_volume(rendered):
     """The replica's spec (what the worker reads) names the mounted volume for its node
     checkpoints and data cache, not the container's writable layer."""
