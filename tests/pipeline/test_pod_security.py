@@ -24,7 +24,7 @@ FABRIC_PREFIXES = ("+cluster.extra_resources=", "cluster.capabilities=", "+clust
 def _guide_overrides() -> list[str]:
     """The guide's OVERRIDES array, its placeholders filled in."""
     words = [w.replace("$IMAGE", "registry.example.com/liftoff:0123456789") for w in guide.overrides()]
-    return [w.replace("<fineweb-edu-commit>", HUB_REVISION) for w in words]
+    return [w.replace("$FINEWEB_REVISION", HUB_REVISION) for w in words]
 
 
 def _render(tmp_path, monkeypatch, overrides: list[str]) -> list[dict]:
