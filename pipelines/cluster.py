@@ -74,7 +74,7 @@ def source_bytes(paths: list[str], root: Path) -> int | None:
     """The bytes of `data.paths` when every entry is a local file or directory (relative to the
     current directory, else to `root`, the checkout whose files the image carries); None when
     one is not measurable from here (an s3:// prefix, a path this machine does not have)."""
-    from components.tokenize.sources import BUILDERS
+    from components.tokenize.sources import local_paths
 
     total = 0
     for raw in paths:
@@ -82,12 +82,9 @@ def source_bytes(paths: list[str], root: Path) -> int | None:
             return None
         p = Path(raw).expanduser()
         p = p if p.is_absolute() or p.exists() else root / p
-        if p.is_file():
-            total += p.stat().st_size
-        elif p.is_dir():
-            total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
-        else:
+        if not p.exists():
             return None
+        total += sum(f.stat().st_size for f in local_paths(p))
     return total
 
 

@@ -68,12 +68,20 @@ def _md5(path: Path) -> str:
     return h.hexdigest()
 
 
+def local_paths(p: Path) -> list[Path]:
+    """The files a local data.paths entry names: the file itself, or every file of a known
+    format under the directory."""
+    if p.is_dir():
+        return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
+    return [p]
+
+
 def _local_files(raw: str) -> list[SourceFile]:
     p = Path(raw).expanduser()
     if not p.exists():
         raise DataError(f"data.paths: {raw} does not exist")
     if p.is_dir():
-        found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
+        found = local_paths(p)
         if not found:
             raise DataError(f"data.paths: directory {raw} has no {'/'.join(BUILDERS)} files")
         named = [(f, f.relative_to(p).as_posix()) for f in found]
