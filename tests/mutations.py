@@ -441,6 +441,37 @@ MUTATIONS = [
         "parents=[job.spec.dataset],",
         ("tests/stages/test_validate_evaluate.py::test_good_model_passes_every_check",),
     ),
+    # the cluster guide and the CLI (issues 40, 42, 43)
+    Mutation(
+        "run: a model that cannot fit starts the pipeline (no plan before the first task)",
+        "pipelines/commands.py",
+        "        if refusal := plan_refusal(OmegaConf.to_object(cfg)):\n",
+        "        if refusal := None:\n",
+        ("tests/pipeline/test_local_run.py::test_a_model_that_cannot_fit_is_refused_before_any_task_runs",),
+    ),
+    Mutation(
+        "render: data that cannot fill one step is sent to the cluster",
+        "pipelines/cluster.py",
+        "    if size // block >= per_step:",
+        "    if size // block >= 0:",
+        (
+            "tests/pipeline/test_cluster.py::test_the_guides_first_submit_on_the_shipped_corpus_is_refused_before_any_kfp_call",
+        ),
+    ),
+    Mutation(
+        "submit: the client's caching overrides the compiled no-cache of preflight and the plan",
+        "pipelines/cluster.py",
+        "            enable_caching=None,",
+        "            enable_caching=True,",
+        ("tests/pipeline/test_kfp_client.py::test_submit_keeps_the_compiled_caching_of_each_task",),
+    ),
+    Mutation(
+        "artifacts: rm removes a pinned version without --force",
+        "components/store/deletion.py",
+        "        if pinned and not force:",
+        "        if False:",
+        ("tests/test_artifacts_cli.py::test_rm_refuses_a_pinned_version_unless_forced",),
+    ),
 ]
 
 
