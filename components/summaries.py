@@ -41,6 +41,7 @@ class NodeRow:
     busbw_gbps: float | None  # the largest all-reduce message measured
     memory_gb: float | None
     reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # outliers said, not acted on (preflight.outliers=warn)
 
 
 @dataclass
@@ -50,11 +51,18 @@ class PreflightSummary:
     plan_total_gb: float
     budget_gb: float
     report_html: str | None = None  # the published report, fetched (a file a browser opens)
+    reused_min: float | None = None  # the stored measurements' age, where reused (preflight.max_age_min)
+    skipped: str | None = None  # why nothing was measured (a resumed run with no step left)
 
     def line(self) -> str:
+        if self.skipped:
+            return f"skipped: {self.skipped}"
         healthy = sum(n.healthy for n in self.nodes)
         plan = f"plan {self.plan_total_gb:.3g} GB per device of a {self.budget_gb:.3g} GB budget"
-        return f"{healthy}/{len(self.nodes)} nodes healthy, {plan}"
+        reused = f"measurements reused ({self.reused_min:.0f} min old), " if self.reused_min is not None else ""
+        warned = sum(bool(n.warnings) for n in self.nodes)
+        warned = f", {warned} warned (preflight.outliers=warn)" if warned else ""
+        return f"{reused}{healthy}/{len(self.nodes)} nodes healthy{warned}, {plan}"
 
     def table(self) -> list[str]:
         """One row per node: its health and the benchmarks it was judged by, then why each
@@ -67,7 +75,8 @@ class PreflightSummary:
             rows.append([n.node, "healthy" if n.healthy else "UNHEALTHY", *cells])
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-        return table + [f"{n.node}: {'; '.join(n.reasons)}" for n in self.nodes if not n.healthy]
+        table += [f"{n.node}: {'; '.join(n.reasons)}" for n in self.nodes if not n.healthy]
+        return table + [f"{n.node}: warning: {'; '.join(n.warnings)}" for n in self.nodes if n.warnings]
 
 
 @dataclass
@@ -78,11 +87,15 @@ class TrainSummary:
     final_loss: float | None
     tokens_per_s: float
     peak_memory_gb: float
+    nodes: list[str] = field(default_factory=list)  # the nodes the last attempt trained on, by rank
+    left_out: dict[str, str] = field(default_factory=dict)  # node -> why training kept off it
 
     def line(self) -> str:
         losses = f"loss {_nan(self.initial_loss):.2f} -> {_nan(self.final_loss):.2f}"
         speed = f"{self.tokens_per_s:,.0f} tokens/s, peak {self.peak_memory_gb:.2f} GB"
-        return f"{self.continued}; {losses}, {speed}, {self.model}"
+        where = f"; on {', '.join(self.nodes)}" if self.nodes else ""
+        out = "".join(f"; left out {n}: {why}" for n, why in self.left_out.items())
+        return f"{self.continued}; {losses}, {speed}, {self.model}{where}{out}"
 
 
 @dataclass

@@ -472,6 +472,30 @@ MUTATIONS = [
         "        if False:",
         ("tests/test_artifacts_cli.py::test_rm_refuses_a_pinned_version_unless_forced",),
     ),
+    # issue 43, point 1: preflight worth its time
+    Mutation(
+        "preflight: a local performance outlier quarantined again (outliers default to quarantine)",
+        "components/preflight/verdict.py",
+        'return cfg.outliers or ("warn" if local else "quarantine")',
+        'return cfg.outliers or "quarantine"',
+        (
+            "tests/preflight/test_preflight.py::test_a_slow_simulated_node_is_warned_of_quarantines_nothing_and_training_keeps_its_nodes",
+        ),
+    ),
+    Mutation(
+        "preflight: stored measurements never reused (every run measures)",
+        "components/preflight/stage.py",
+        "    if max_age_min <= 0:\n        return None\n    versions",
+        "    if max_age_min <= 1e9:\n        return None\n    versions",
+        ("tests/pipeline/test_local_run.py::test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds",),
+    ),
+    Mutation(
+        "preflight: a run with no step left measures the fleet anyway",
+        "components/preflight/component.py",
+        'if done := trained_to_the_end(ref, g["model"], g["train"], t.store):',
+        "if done := None:",
+        ("tests/pipeline/test_local_run.py::test_run_end_to_end_traces_lineage_and_reuses_the_dataset",),
+    ),
 ]
 
 

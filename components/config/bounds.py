@@ -75,6 +75,7 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "preflight.allreduce_sizes_mb_gpu": "> 0",
     "preflight.read_probe_mb": ">= 1",
     "preflight.zscore_threshold": "> 0",
+    "preflight.max_age_min": ">= 0",
     "preflight.floors": ">= 0",
     "preflight.min_healthy_nodes": ">= 1",
     "preflight.memory_safety": "(0, 1]",

@@ -185,11 +185,16 @@ def pipeline_rules(train: TrainConfig, world: int | None, model: ModelConfig | N
     return rules
 
 
+OUTLIERS = (None, "quarantine", "warn")  # what a performance outlier does (null: warn on the local scheduler)
+
+
 def preflight_rules(preflight: PreflightConfig, cluster: ClusterConfig | None = None) -> list[str]:
     unknown = sorted(k for k in preflight.floors if not k.startswith(PERF_METRICS))
     measured = ", ".join(PERF_METRICS)
     why = f"{', '.join(unknown)}: not a metric preflight measures (names start with {measured})"
     rules = [("preflight.floors", not unknown, why)]
+    rules.append(("preflight.outliers", preflight.outliers in OUTLIERS,
+                  f"must be one of quarantine, warn or null, got {preflight.outliers!r}"))  # fmt: skip
     if cluster is not None:  # the gate needs at least this many of the nodes the job asks for
         n = preflight.min_healthy_nodes
         ok = n is None or 1 <= n <= cluster.nodes

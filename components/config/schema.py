@@ -180,6 +180,8 @@ class PreflightConfig:
     device_memory_gb: float | None = MISSING  # None: measured (GPU) or host memory (CPU)
     quarantine: bool = MISSING
     numerics_s: float = MISSING  # seconds of the numerics battery on every device (0: off)
+    outliers: str | None = MISSING  # a node robust SDs below the rest: quarantine | warn; None: warn locally
+    max_age_min: float | None = MISSING  # reuse the fleet's measurements this young; None: 60 locally, 0 on k8s
 
     def check(self, cluster: ClusterConfig | None = None) -> list[str]:
         return rules.preflight_rules(self, cluster=cluster)

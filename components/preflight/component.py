@@ -26,10 +26,18 @@ def preflight(
     from components import summaries
     from components.preflight.stage import gate, run_preflight, summary
     from components.task import input_ref, stage_task
+    from components.train.stage import trained_to_the_end
 
     with stage_task("preflight", model=model, train=train, preflight=preflight, cluster=cluster, store=store) as t:
         g, cfg = t.groups, t.groups["preflight"]
         ref = input_ref(dataset)
+        if done := trained_to_the_end(ref, g["model"], g["train"], t.store):  # a resume with no step left
+            why = f"{done} is at train.steps={g['train'].steps}: the resumed run trains no step"
+            Path(report.path).write_text(f"# Preflight\n\nskipped: {why}\n")
+            Path(verdict.path).write_text(json.dumps({"passed": True, "dataset": ref, "skipped": why}, indent=2))
+            verdict.metadata.update({"passed": True, "skipped": why})
+            summaries.attach(verdict, summaries.PreflightSummary([], "", 0.0, 0.0, skipped=why))
+            return
         result = run_preflight(ref, g["model"], g["train"], g["cluster"], cfg, g["store"], t.store)
         for node in result.nodes:
             for key, value in node.items():
@@ -45,6 +53,7 @@ def preflight(
         gate(result)  # raises (inside the task: its `failed` event): no verdict, so train cannot start
         passed = {"passed": True, "dataset": ref, "healthy": result.healthy}
         excluded = {"unhealthy": result.unhealthy, "excluded_hosts": result.excluded_hosts}  # train stays off these
+        excluded.update(left_out=result.left_out, warnings=result.warnings, reused_min=result.reused_min)
         Path(verdict.path).write_text(json.dumps({**passed, **excluded}, indent=2))
         verdict.metadata.update({"passed": True, "excluded_nodes": sorted(result.unhealthy)})
         summaries.attach(verdict, summary(result, cfg, g["train"].precision))

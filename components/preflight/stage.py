@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import logging
@@ -9,6 +10,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -31,8 +33,8 @@ from components.preflight.plan import Plan, fits, plan
 from components.preflight.plan_config import tp_group_busbw
 from components.preflight.plan_format import format_plan
 from components.preflight.spec import PreflightSpec
-from components.preflight.verdict import NodeVerdict, floors_for, judge
-from components.store import ArtifactStore, Ref
+from components.preflight.verdict import NodeVerdict, floors_for, judge, max_age_min, outliers_for
+from components.store import ArtifactStore, Ref, StoreError
 from components.summaries import NodeRow, PreflightSummary
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ class PreflightResult:
     quarantined: dict = field(default_factory=dict)  # node -> its quarantine record: not launched on
     markdown: str | None = None  # the report, as published (the KFP UI shows it)
     problems: list[str] | None = None  # why the gate fails, judged once when the report is made
+    reused_min: float | None = None  # the measurements' age where reused (preflight.max_age_min), else None
+    report_version: str | None = None  # this judgement's version (the measurements' own where measured now)
 
     @property
     def healthy(self) -> list[str]:
@@ -66,6 +70,17 @@ class PreflightResult:
     @property
     def unhealthy(self) -> dict[str, list[str]]:
         return {v.host + f"#{v.rank}": v.reasons for v in self.verdicts if not v.healthy}
+
+    @property
+    def warnings(self) -> dict[str, list[str]]:
+        """Outliers said and not acted on (preflight.outliers=warn): node -> why."""
+        return {v.host + f"#{v.rank}": v.warnings for v in self.verdicts if v.warnings}
+
+    @property
+    def left_out(self) -> dict[str, str]:
+        """Each node training keeps off, and why (its failed checks, or its quarantine record)."""
+        why = {h: "; ".join(r for v in self.verdicts if v.host == h for r in v.reasons) for h in self.excluded_hosts}
+        return {h: why[h] or f"quarantined: {self.quarantined.get(h, '')}" for h in self.excluded_hosts}
 
     @property
     def excluded_hosts(self) -> list[str]:
@@ -100,12 +115,13 @@ def summary(result: PreflightResult, cfg: PreflightConfig, precision: Precision)
             n.largest_busbw_gbps,
             n.device_memory_gb,
             list(v.reasons),
+            list(v.warnings),
         )
         for n, v in zip(measured, result.verdicts, strict=True)
     ]
     budget = result.device_memory_gb * cfg.memory_safety
     report = str(result.report_path) if result.report_path else None
-    return PreflightSummary(rows, dtype, result.plan.total_gb, budget, report)
+    return PreflightSummary(rows, dtype, result.plan.total_gb, budget, report, result.reused_min)
 
 
 def report_markdown(result: PreflightResult, cfg: PreflightConfig, problems: list[str] | None = None) -> str:
@@ -119,6 +135,8 @@ def report_markdown(result: PreflightResult, cfg: PreflightConfig, problems: lis
     )
     problems = gate_problems(result, cfg) if problems is None else problems
     lines = ["# Preflight", "", "**passed**" if not problems else "**failed**", ""]
+    if result.reused_min is not None:
+        lines += [f"Measurements {result.ref}, reused ({result.reused_min:.0f} min old).", ""]
     lines += [f"- {p}" for p in problems] + ([""] if problems else [])
     lines += ["| node | verdict | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
     for node, v in zip(result.nodes, result.verdicts, strict=True):
@@ -126,6 +144,9 @@ def report_markdown(result: PreflightResult, cfg: PreflightConfig, problems: lis
         lines.append(f"| {node['host']}#{node['rank']} | {'healthy' if v.healthy else 'UNHEALTHY'} | {cells} |")
     lines += ["", "## Unhealthy nodes", ""]
     lines += [f"- **{n}**: " + "; ".join(r) for n, r in result.unhealthy.items()] or ["none"]
+    if result.warnings:
+        lines += ["", "## Warnings (not acted on: preflight.outliers=warn)", ""]
+        lines += [f"- **{n}**: " + "; ".join(w) for n, w in result.warnings.items()]
     lines += ["", "## Plan", "", "```", format_plan(result.plan, result.device_memory_gb, cfg.memory_safety), "```"]
     return "\n".join(lines)
 
@@ -163,16 +184,43 @@ def publish_report(result: PreflightResult, cfg: PreflightConfig, store: Artifac
         (out / "report.md").write_text(markdown)
         (out / "report.html").write_text(report_html(markdown, f"liftoff preflight {result.ref}"))
         meta = {"passed": not problems, "problems": problems, "healthy": result.healthy, "unhealthy": result.unhealthy}
-        name, version = result.ref.name, result.ref.version
+        meta.update(warnings=result.warnings, reused_min=result.reused_min)
+        name, version = result.ref.name, result.report_version or result.ref.version
         manifest = store.publish("preflight-report", name, version, out, metadata=meta, parents=[str(result.ref)])
     path = store.fetch(manifest) / "report.html"
     log.info("preflight report: %s", path)
     return path
 
 
+MEASURING = ("gemm_size", "gemm_iters", "membw_mb", "membw_mb_gpu", "allreduce_sizes_mb", "allreduce_sizes_mb_gpu",
+             "read_probe_mb", "numerics_s")  # the preflight keys that change what a node measures  # fmt: skip
+
+
+def fleet_name(dataset: str | None, train: TrainConfig, cluster: ClusterConfig, cfg: PreflightConfig, held_out) -> str:
+    """The name the fleet's measurements are stored under: the node set (scheduler, nodes, processes,
+    the nodes held out), the device kind and image, what is measured and how, and the code that
+    measures. Two runs with one name may share measurements (preflight.max_age_min)."""
+    from components.config import as_plain_dict
+    from components.store.keys import code_version
+
+    key = {
+        "cluster": [cluster.scheduler.value, cluster.nodes, cluster.procs_per_node, cluster.spare_nodes],
+        "held_out": sorted(held_out),
+        "device": [cluster.gpu_type, cluster.gpu, cluster.image],
+        "measuring": {k: v for k, v in as_plain_dict(cfg).items() if k in MEASURING},
+        "dtype": recipe(train.precision).compute_dtype,
+        "dataset": dataset,
+        "checkpoint_dir": train.checkpoint_dir,
+        "code": code_version(),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{cluster.scheduler.value}-{cluster.nodes}n-{digest}"
+
+
 def preflight_launch(
-    dataset: str | None, train: TrainConfig, cluster: ClusterConfig, cfg: PreflightConfig, store_cfg: StoreConfig
-) -> Launch:
+    dataset: str | None, train: TrainConfig, cluster: ClusterConfig, cfg: PreflightConfig, store_cfg: StoreConfig,
+    held_out=(),
+) -> Launch:  # fmt: skip
     """The TorchX job that benchmarks every node as training will use it: one replica per node,
     one process per device, a fresh run id."""
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
@@ -180,14 +228,38 @@ def preflight_launch(
         preflight=cfg,
         store=replica_store(store_cfg, cluster),
         dataset=dataset,
-        name=f"{cluster.scheduler.value}-{cluster.nodes}n",
+        name=fleet_name(dataset, train, cluster, cfg, held_out),
         run_id=run_id,
         checkpoint_dir=train.checkpoint_dir or ".",  # the disk checkpoints land on, in the replica
         dtype=recipe(train.precision).compute_dtype,
     )
     log_dir = Path(train.run_dir).resolve() / "preflight" / run_id
     name = f"preflight-{run_id[-8:]}"
-    return Launch("components.preflight.worker", spec, cluster, name, log_dir, log_dir / "nodes")
+    launch = Launch("components.preflight.worker", spec, cluster, name, log_dir, log_dir / "nodes")
+    launch.exclude_nodes = tuple(sorted(held_out))
+    return launch
+
+
+def reusable_measurements(store: ArtifactStore, name: str, max_age_min: float, processes: int):
+    """(the newest `preflight/<name>` version and its nodes, its age in minutes) while younger
+    than `max_age_min` and whole (one record per process, each a node's); else None."""
+    if max_age_min <= 0:
+        return None
+    versions = sorted(store.versions("preflight", name), key=lambda m: m.created)
+    if not versions:
+        return None
+    newest = versions[-1]
+    age = (datetime.now(timezone.utc) - datetime.fromisoformat(newest.created)).total_seconds() / 60
+    if not 0 <= age < max_age_min:
+        return None
+    try:  # nothing read from the store is trusted: fetch verifies the bytes, this the shape
+        nodes = json.loads((store.fetch(newest) / "nodes.json").read_text())
+        whole = isinstance(nodes, list) and len(nodes) == processes
+        whole = whole and all(isinstance(n, dict) and {"rank", "host"} <= set(n) for n in nodes)
+    except (StoreError, OSError, ValueError) as e:
+        log.warning("preflight: not reusing %s: %s", newest.ref, e)
+        return None
+    return (newest, nodes, age) if whole else None
 
 
 def run_preflight(
@@ -199,18 +271,25 @@ def run_preflight(
     store_cfg: StoreConfig,
     store: ArtifactStore,
 ) -> PreflightResult:
+    """Measure the fleet (or reuse its measurements while preflight.max_age_min allows), judge
+    every node, plan the step, publish the report."""
     t0 = time.perf_counter()
-    launch = preflight_launch(dataset, train, cluster, cfg, store_cfg)
+    local = cluster.scheduler == Scheduler.local_cwd
     held_out = fleet.quarantined(store)  # measured again only once their records expire or are cleared
-    launch.exclude_nodes = tuple(sorted(held_out))
+    launch = preflight_launch(dataset, train, cluster, cfg, store_cfg, held_out)
     spec = launch.spec
-    run_app(launch)
-    published = store.manifest(Ref("preflight", spec.name, spec.run_id))
-    nodes = json.loads((store.fetch(published) / "nodes.json").read_text())
+    found = reusable_measurements(store, spec.name, max_age_min(cfg, local), cluster.nodes * cluster.procs_per_node)
+    if found is not None:
+        published, nodes, age = found
+        log.info("preflight: reusing %s (%.0f min old)", published.ref, age)
+    else:
+        run_app(launch)
+        published = store.manifest(Ref("preflight", spec.name, spec.run_id))
+        nodes = json.loads((store.fetch(published) / "nodes.json").read_text())
     floors, floors_from = floors_for(cfg, cluster.gpu_type, cluster.nodes)
     # the driver runs the battery too where it is the nodes' kind of device: their bitwise reference
     reference = numerics.reference(nodes, bench.accelerator(torch.device("cpu"))) if cfg.numerics_s > 0 else None
-    verdicts = judge(nodes, cfg, floors, floors_from, reference)
+    verdicts = judge(nodes, cfg, floors, floors_from, reference, outliers_for(cfg, local))
     healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes
     tflops, busbw = plan_inputs(healthy_nodes, train.precision)
     device_gb = cfg.device_memory_gb or min(n["device_memory_gb"] for n in nodes)
@@ -230,6 +309,11 @@ def run_preflight(
     )
     result = PreflightResult(nodes, verdicts, step_plan, device_gb, time.perf_counter() - t0, published.ref)
     result.quarantined = {n: r.reason for n, r in held_out.items()}
+    result.reused_min, result.report_version = (found[2] if found else None), spec.run_id
+    if found is not None:  # judged when measured: its findings are recorded (else its node set would differ)
+        result.problems = gate_problems(result, cfg)
+        result.report_path = publish_report(result, cfg, store)
+        return result
     record_unhealthy(store, verdicts, cluster.quarantine_ttl_h)
     if cfg.quarantine and cluster.scheduler == Scheduler.kubernetes and result.unhealthy:
         from components.preflight.quarantine import quarantine_nodes

@@ -20,6 +20,7 @@ class NodeVerdict:
     host: str
     healthy: bool = True
     reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # outliers said, not acted on (preflight.outliers=warn)
 
     def fail(self, reason: str) -> None:
         self.healthy = False
@@ -44,6 +45,18 @@ def floors_for(cfg: PreflightConfig, gpu_type: str | None, nodes: int) -> tuple[
     return {**preflight_floors(d, nodes), **own}, where + (", preflight.floors over them" if own else "")
 
 
+def outliers_for(cfg: PreflightConfig, local: bool) -> str:
+    """What a performance outlier does: `preflight.outliers`, else warn on the local scheduler
+    (its "nodes" share one busy machine: a slow one is the laptop, not a node) and quarantine on a cluster."""
+    return cfg.outliers or ("warn" if local else "quarantine")
+
+
+def max_age_min(cfg: PreflightConfig, local: bool) -> float:
+    """How young the fleet's stored measurements must be to be reused: `preflight.max_age_min`,
+    else an hour locally and never on a cluster (nodes change under a scheduler between runs)."""
+    return cfg.max_age_min if cfg.max_age_min is not None else (60.0 if local else 0.0)
+
+
 def metric_value(node: dict, metric: str) -> float | None:
     if metric in node and isinstance(node[metric], int | float):
         return float(node[metric])
@@ -58,9 +71,11 @@ def judge(
     floors: dict[str, float] | None = None,
     floors_from: str = "preflight.floors",
     reference: dict | None = None,
+    outliers: str = "quarantine",
 ) -> list[NodeVerdict]:
     """`floors`: the absolute minimums (`floors_for`); None: `preflight.floors` as given;
-    `reference`: the driver's own numerics battery (numerics.reference), where it has one."""
+    `reference`: the driver's own numerics battery (numerics.reference), where it has one;
+    `outliers`: what a node far below the others does (`outliers_for`): fail it, or warn only."""
     floors = dict(cfg.floors) if floors is None else floors
     verdicts = [NodeVerdict(n["rank"], n["host"]) for n in nodes]
     for i, reasons in numerics.problems(nodes, reference).items():
@@ -71,10 +86,11 @@ def judge(
             peers = [float(other[metric]) for j, other in enumerate(nodes) if j != i and metric in other]
             z = robust_z(value, peers)
             if peers and z < -cfg.zscore_threshold:
-                verdict.fail(
+                why = (
                     f"{metric}={value:.4g} is {-z:.1f} robust SDs below the other nodes' median "
                     f"{statistics.median(peers):.4g} (preflight.zscore_threshold={cfg.zscore_threshold})"
                 )
+                verdict.fail(why) if outliers == "quarantine" else verdict.warnings.append(why)
         for metric, floor in floors.items():
             value = metric_value(node, metric)
             if value is not None and value < floor:

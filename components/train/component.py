@@ -56,7 +56,11 @@ def train(
         for name, value in final.items():
             metrics.log_metric(name, value)
         figures = [final.get(k) for k in ("initial_loss", "final_loss", "tokens_per_s", "peak_memory_gb")]
-        summaries.attach(trained_model, summaries.TrainSummary(ref, result.result.continued, *figures))
+        nodes = list(dict.fromkeys(result.result.nodes))  # each node once, in rank order
+        left_out = verdict.get("left_out", {})  # preflight's; a node quarantined since is off too
+        left_out.update({n: "hung in a collective: quarantined, relaunched without it" for n in result.hung})
+        summary = summaries.TrainSummary(ref, result.result.continued, *figures, nodes=nodes, left_out=left_out)
+        summaries.attach(trained_model, summary)
         run = {
             "training run": result.identity,
             "model": ref,

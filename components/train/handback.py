@@ -87,6 +87,7 @@ def finish(job: Job, state: TrainState, resumed: Resumed | None) -> WorkerResult
         resumed_from=str(resumed.ref) if resumed else None,
         start_step=resumed.step if resumed else 0,
         skipped_samples=state.skip_windows,  # a spike rollback's data windows (components/train/guards.py)
+        nodes=list(job.monitor.hosts),
     )
 
 

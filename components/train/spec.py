@@ -48,6 +48,7 @@ class WorkerResult:
     start_step: int = 0  # the step it continued from; steps - start_step were trained here
     model: str = ""  # model/NAME@VERSION, once published
     skipped_samples: list = dataclasses.field(default_factory=list)  # [start, end) global samples never trained on
+    nodes: list = dataclasses.field(default_factory=list)  # the node each rank ran on (NODE_NAME), by rank
 
     @property
     def continued(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ from pathlib import Path
 from components import fleet
 from components.config import ClusterConfig, ModelConfig, Scheduler, TrainConfig, as_plain_dict, drop_none
 from components.launcher import Launch, replica_store, run_app
-from components.store import ArtifactStore, Manifest, Ref
+from components.store import ArtifactStore, Manifest, Ref, StoreError
 from components.store.lease import Lease, default_holder
 from components.train.prelaunch import check_inputs
 from components.train.spec import TrainSpec, WorkerResult
@@ -74,6 +75,7 @@ class TrainResult:
     checkpoint_version: str
     result: WorkerResult
     metrics: Path  # the run's metrics.jsonl, as fetched from the store
+    hung: list[str] = dataclasses.field(default_factory=list)  # nodes quarantined after a hang, relaunched off
 
 
 class TrainFailed(RuntimeError):
@@ -99,6 +101,24 @@ def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> s
         math["seed_checkpoint"] = train.resume
     ident = {"dataset": dataset, "model": drop_none(as_plain_dict(model)), "train": math}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def trained_to_the_end(dataset: str, model: ModelConfig, train: TrainConfig, store: ArtifactStore) -> str | None:
+    """The stored checkpoint at train.steps that `train.resume=auto` would continue from, all its
+    objects there at their sizes: a run that resumes there trains no step (preflight skips)."""
+    from components.checkpoint_fetch import step_of_manifest
+
+    if train.resume != "auto":
+        return None
+    try:
+        identity = training_identity(str(store.resolve(*_kind_name_version(dataset)).ref), model, train)
+        for m in store.versions("checkpoint", model.name):
+            if m.metadata.get("identity") == identity and step_of_manifest(m) == train.steps:
+                if not store.size_problems(m):
+                    return str(m.ref)
+    except StoreError as e:  # preflight then measures: no skip on a doubt
+        log.warning("preflight: could not look for a finished checkpoint: %s", e)
+    return None
 
 
 def train_launch(
@@ -194,6 +214,7 @@ def run_train(
         result.checkpoint_version,
         result,
         record / "metrics.jsonl",
+        hung,
     )
 
 

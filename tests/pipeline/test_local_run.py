@@ -107,8 +107,12 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     shutil.rmtree(in_tmp / "local_outputs")
     assert main(["run", "-m", *sharded]) == 0
     assert "reusing it, no tokenization" in run_logs(in_tmp / "multirun")
-    row = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("| 0 |"))
+    again = capfd.readouterr().out
+    row = next(line for line in again.splitlines() if line.startswith("| 0 |"))
     assert model_ref.split("@")[1] in row and row.endswith("| yes (same model as before) |")
+    # issue 43, point 1: the rerun resumes at its last step, so preflight measures nothing
+    skipped = r"^\s+ok [\d.]+ s, skipped: checkpoint/tiny@\S+ is at train.steps=10: the resumed run trains no step$"
+    assert re.search(skipped, again, re.M) and len(list(store.ls("preflight"))) == 1
 
 
 def test_run_with_minio_over_http(in_tmp, s3_env, capfd):
@@ -237,11 +241,19 @@ def test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds(in_tmp,
     (shard,) = [str(m.ref) for m in store().ls("shard")]
     assert main(["artifacts", "rm", shard, "--with-dependants"]) == 0
     assert not list(store().ls("dataset")) and not list(store().ls("model"))
+    capfd.readouterr()
     assert main(["run", *FAST]) == 0
     assert [str(m.ref) for m in store().ls("dataset")] == [dataset] and len(list(store().ls("model"))) == 1
     # every run executed the shard task: none was answered by the cache with a ref to nothing
     assert executed(run_logs(in_tmp / "runs")).count("tokenize-shard") == 3
-    capfd.readouterr()
+    # issue 43, acceptance 1: the third run (same fleet, same dataset, minutes later) reuses the
+    # second's measurements: one stored version, no third preflight job, the status line says so
+    (measured,) = [m for m in store().ls("preflight")]
+    reports = [m.parents for m in store().ls("preflight-report")]
+    assert reports == [[str(measured.ref)], [str(measured.ref)]]  # the second run's and the third's
+    assert len(list((in_tmp / "runs" / "preflight").iterdir())) == 2  # runs 1 and 2 launched workers
+    reused = r"^\s+ok [\d.]+ s, measurements reused \(\d+ min old\), 2/2 nodes healthy"
+    assert re.search(reused, capfd.readouterr().out, re.M)
 
 
 @pytest.mark.parametrize(

@@ -70,8 +70,8 @@ def test_preflight_measures_every_process_as_training_runs_them(trainer):
 
 @pytest.mark.chaos_slow  # 77 s, two preflights: in `make chaos`, out of `make test`'s 30 minutes
 def test_throttled_node_is_unhealthy_and_the_gate_stops_the_run(trainer):
-    with injected(throttle_node=1):
-        cfg, result = preflight(trainer, "preflight.min_healthy_nodes=2")
+    with injected(throttle_node=1):  # outliers=quarantine: a cluster's default (locally they warn)
+        cfg, result = preflight(trainer, "preflight.min_healthy_nodes=2", "preflight.outliers=quarantine")
     unhealthy = result.unhealthy
     assert list(unhealthy) == [f"{result.nodes[1]['host']}#1"]
     assert any("gemm_tflops" in r and "robust SDs below" in r for r in unhealthy[f"{result.nodes[1]['host']}#1"])
@@ -84,10 +84,33 @@ def test_throttled_node_is_unhealthy_and_the_gate_stops_the_run(trainer):
     bad = result.nodes[1]["host"]
     (record,) = fleet.quarantined(trainer.store).values()
     assert (record.node, record.source) == (bad, "preflight") and "robust SDs below" in record.reason
-    _, again = preflight(trainer, "preflight.min_healthy_nodes=2")
+    _, again = preflight(trainer, "preflight.min_healthy_nodes=2", "preflight.outliers=quarantine")
     hosts = [n["host"] for n in again.nodes]
     assert bad not in hosts and len(set(hosts)) == 2 and hosts[1].endswith("-node2"), hosts
     assert bad in again.excluded_hosts and again.problems == []
+
+
+def test_a_slow_simulated_node_is_warned_of_quarantines_nothing_and_training_keeps_its_nodes(trainer):
+    """Issue 43, acceptance 2: one local node throttled (a busy laptop, not a bad node). The
+    verdict warns naming the metric, no node is unhealthy or quarantined, and the train job
+    launched with the verdict runs on the configured nodes, the spare unused."""
+    from components import fleet
+    from components.launcher import build_app
+    from components.train.stage import train_launch
+
+    with injected(throttle_node=1):
+        cfg, result = preflight(trainer)  # preflight.outliers=null: warn on the local scheduler
+    slow = f"{result.nodes[1]['host']}#1"
+    assert list(result.warnings) == [slow] and "robust SDs below" in result.warnings[slow][0], result.warnings
+    assert result.unhealthy == {} and result.excluded_hosts == [] and result.problems == []
+    assert fleet.quarantined(trainer.store) == {}
+    _, _, launch = train_launch(
+        trainer.dataset, cfg.model, cfg.train, cfg.cluster, trainer.store_cfg, result.excluded_hosts, cache_gb=1.0
+    )
+    app = build_app(launch.module, launch.spec, cfg.cluster, launch.name, {}, exclude=launch.exclude_nodes)
+    assert app.roles[0].env[fleet.NODE_NAMES_ENV].split(",") == [n["host"] for n in result.nodes]
+    report = trainer.store.fetch(trainer.store.resolve("preflight-report", result.ref.name)) / "report.md"
+    assert f"- **{slow}**: " in report.read_text().split("## Warnings")[1]
 
 
 def test_floors_above_what_the_nodes_measure_fail_the_gate_naming_the_floor(trainer):
