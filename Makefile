@@ -22,13 +22,14 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # Debian packages the tests need, once per machine (root, or sudo): headless Chromium for the
-# eval report's screenshot test, g++ for the inductor test (the compiler the image installs).
+# eval report's screenshot test, g++ for the inductor test (the compiler the image installs),
+# prometheus and promtool for the metrics and alert-rule tests.
 browser:
-	@{ command -v chromium && command -v g++; } >/dev/null 2>&1 || { \
+	@{ command -v chromium && command -v g++ && command -v prometheus && command -v promtool; } >/dev/null 2>&1 || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
-		echo "installing chromium and g++ (Debian packages) for the tests"; \
+		echo "installing chromium, g++ and prometheus (Debian packages) for the tests"; \
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive \
-			apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core g++ >/dev/null; }
+			apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core g++ prometheus >/dev/null; }
 
 run: install            ## the tiny CPU experiment, all five stages through kfp.local
 	$(BIN)/liftoff run $(ARGS)

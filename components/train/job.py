@@ -130,7 +130,9 @@ def build_job(spec: TrainSpec) -> Job:
 
     checkpointer = build_checkpointer(spec, train, store, model_cfg.name, rank)
     node = os.environ.get("NODE_NAME") or socket.gethostname()
-    exporter = exporter_for(train.metrics_port, spec.identity, rank, node, spec.launch_id, spec.nodes_share_host)
+    exporter = exporter_for(
+        train.metrics_port, spec.identity, rank, node, spec.launch_id, spec.nodes_share_host, train.steps
+    )
     monitor = Monitor(
         Path(spec.run_dir),
         rank,

@@ -39,6 +39,7 @@ STEP_GAUGES = {
 OTHER = {
     "liftoff_train_loss_spikes_total": ("counter", "loss spikes seen (train.loss_spike_factor)"),
     "liftoff_straggler_zscore": ("gauge", "leave-one-out z-score of each rank's forward time (rank 0 reports)"),
+    "liftoff_train_planned_steps": ("gauge", "train.steps: the step the run ends at (a stall is short of it)"),
 }
 METRICS = {**{name: "gauge" for name in STEP_GAUGES}, **{name: kind for name, (kind, _) in OTHER.items()}}
 LABELS = ("run", "rank", "node")
@@ -70,8 +71,13 @@ class Exporter:
                                registry=None)  # fmt: skip
         self._z = Gauge("liftoff_straggler_zscore", OTHER["liftoff_straggler_zscore"][1], LABELS,
                         multiprocess_mode="mostrecent", registry=None)  # fmt: skip
+        self._planned = Gauge("liftoff_train_planned_steps", OTHER["liftoff_train_planned_steps"][1], LABELS,
+                              multiprocess_mode="mostrecent", registry=None)  # fmt: skip
         self._spikes.labels(**self.labels)  # served as 0 from the start, not only after a spike
         self.server = None
+
+    def planned(self, steps: int) -> None:
+        self._planned.labels(**self.labels).set(float(steps))
 
     def serve(self, port: int, addr: str) -> str | None:
         """The URL served, or None where the port cannot be bound (taken on a shared host):
@@ -107,14 +113,18 @@ class Exporter:
             self.server.server_close()
 
 
-def exporter_for(port: int, run: str, rank: int, node: str, launch: str, shares_host: bool) -> Exporter | None:
-    """This rank's exporter, serving on the node's first local rank; None with port 0."""
+def exporter_for(
+    port: int, run: str, rank: int, node: str, launch: str, shares_host: bool, steps: int
+) -> Exporter | None:
+    """This rank's exporter, serving on the node's first local rank; None with port 0.
+    `steps`: train.steps, served from the start (the stall alert tells a finished run from a stalled one)."""
     if port == 0:
         return None
     group_rank = int(os.environ.get("GROUP_RANK", "0"))
     attempt = os.environ.get("LIFTOFF_ATTEMPT", "0")
     directory = Path(tempfile.gettempdir()) / f"liftoff-metrics-{launch}-a{attempt}-node{group_rank}"
     exporter = Exporter(run, rank, node, directory)
+    exporter.planned(steps)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         url = exporter.serve(node_port(port, group_rank, shares_host), "127.0.0.1" if shares_host else "0.0.0.0")
         if url:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ def test_a_run_prints_a_status_line_per_stage_and_ends_with_the_report(default_r
         assert any(ln.startswith(f"[{i}/5] {stage} ... ") for ln in lines), stage
     assert any(ln.startswith("[3/5] train ... 2 nodes, fp8") and ln.endswith("10 steps") for ln in lines)
     assert re.search(r"^\s+ok [\d.]+ s, fresh; loss [\d.]+ -> [\d.]+", default_run.stdout, re.M)
+    host = socket.gethostname()  # the train line names the nodes it trained on (the local fleet's first two)
+    assert re.search(rf"^\s+ok .*; on {host}-node0, {host}-node1$", default_run.stdout, re.M), default_run.stdout
     # every stage's result line is its typed summary's (components/summaries.py), from its outputs
     for said in (
         r"dataset/kjv@\w+: [\d,]+ train / [\d,]+ val blocks",
@@ -130,7 +133,9 @@ def test_data_tokenize_cannot_read_is_one_line_naming_the_stage_and_its_log(tmp_
 
 def test_the_preflight_gate_is_one_line_and_v_streams_the_logs(default_run, workdir):
     # a floor no node meets (a plan that cannot fit is refused before any stage: test_local_run.py)
-    proc = liftoff(workdir, "run", "-v", *FAST, "+preflight.floors={membw_gbps:1000000}")
+    # measured afresh (max_age_min=0: not default_run's numbers; resume=never: not skipped as trained)
+    fresh = ["preflight.max_age_min=0", "train.resume=never"]
+    proc = liftoff(workdir, "run", "-v", *FAST, *fresh, "+preflight.floors={membw_gbps:1000000}")
     err = one_error_line(proc)
     assert "stage preflight failed: PreflightFailed: preflight failed: " in err and "membw_gbps" in err, err
     assert "Executing task" in proc.stdout and "[preflight-" in proc.stdout  # kfp.local's and the replicas' lines

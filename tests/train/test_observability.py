@@ -25,6 +25,7 @@ from pipelines.cli import main
 from pipelines.profile import running_trainings
 from tests.conftest import Trainer
 from tests.faults import injected
+from tests.prom import JOB, Prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "deploy" / "monitoring"
@@ -64,6 +65,12 @@ def watched(dataset_store, tmp_path_factory):
     trainer = Trainer(dataset_store, tmp_path_factory.mktemp("watched"))
     port = two_free_ports()
     urls = [f"http://127.0.0.1:{port}/metrics", f"http://127.0.0.1:{port + 1}/metrics"]
+    targets = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]  # a real Prometheus scrapes them too
+    with Prometheus(tmp_path_factory.mktemp("prometheus"), targets) as prometheus:
+        yield run_watched(trainer, port, urls) | {"prometheus": prometheus}
+
+
+def run_watched(trainer: Trainer, port: int, urls: list[str]) -> dict:
     done: dict = {"scrapes": [], "node1": []}
 
     def train() -> None:
@@ -167,6 +174,7 @@ RECORDED_AS = {
 JOB_WIDE = {"liftoff_train_step", "liftoff_train_loss", "liftoff_train_grad_norm", "liftoff_train_lr",
             "liftoff_train_skipped_steps"}  # fmt: skip
 SPIKES = "liftoff_train_loss_spikes_total"  # counts metrics.jsonl's loss_spike events
+PLANNED = ("liftoff_train_planned_steps", 30)  # train.steps, served from the start
 UNRECORDED = {"liftoff_straggler_zscore"}  # metrics.jsonl has straggler verdicts, not z-scores
 
 
@@ -189,7 +197,7 @@ def assert_served_as_recorded(node0: list[dict], node1: list[dict], metrics: Pat
         compared = 0
         for s in scraped:
             mine = {name: v for name, series in s.items() for (r, _), v in series.items() if r == rank}
-            unknown = set(mine) - set(RECORDED_AS) - {SPIKES} - UNRECORDED
+            unknown = set(mine) - set(RECORDED_AS) - {SPIKES, PLANNED[0]} - UNRECORDED
             assert not unknown, f"served metrics this test does not hold to metrics.jsonl: {sorted(unknown)}"
             step = int(mine["liftoff_train_step"])
             record = by_step.get(step)
@@ -204,10 +212,45 @@ def assert_served_as_recorded(node0: list[dict], node1: list[dict], metrics: Pat
                 assert _same(mine[name], record[key]), (
                     f"rank {rank} served {name}={mine[name]!r} at step {step}; metrics.jsonl has {key}={record[key]!r}"
                 )
+            assert mine[PLANNED[0]] == PLANNED[1], (rank, mine[PLANNED[0]])
             spikes = (sum(x <= step for x in spike_steps), sum(x <= step + 1 for x in spike_steps))
             assert spikes[0] <= mine[SPIKES] <= spikes[1], (rank, step, mine[SPIKES], spike_steps)
             compared += 1
         assert compared >= max(1, len(scraped) // 2), f"rank {rank}: {compared} of {len(scraped)} scrapes held one step"
+
+
+def test_a_real_prometheus_scraping_the_training_stored_what_metrics_jsonl_recorded(watched):
+    """Issue 43, acceptance 4: Debian's Prometheus scraped both nodes every 500 ms while the
+    training ran; its query API returns rank 0's loss series, and at every scrape that read one
+    step whole (its last-step time is that record's) the loss is metrics.jsonl's, exactly; the
+    series carry the run's identity; now the run is over, its targets are down and the
+    LiftoffTrainerDown rule's expression selects both."""
+    assert "error" not in watched, watched.get("error")
+    prometheus, result = watched["prometheus"], watched["result"]
+    steps, _ = read_records(result.metrics)
+    by_step = {r["step"]: r for r in steps}
+
+    def samples(name: str) -> dict[float, float]:
+        (series,) = prometheus.query(f'{name}{{job="{JOB}",rank="0"}}[30m]')
+        assert series["metric"]["run"] == result.identity, series["metric"]
+        return {float(t): float(v) for t, v in series["values"]}
+
+    step, loss = samples("liftoff_train_step"), samples("liftoff_train_loss")
+    stamp = samples("liftoff_train_last_step_timestamp_seconds")
+    whole = [t for t in step if t in loss and t in stamp and stamp[t] == by_step[int(step[t])]["time"]]
+    assert len({step[t] for t in whole}) >= 3, f"{len(step)} scrapes, {len(whole)} of one whole step"
+    for t in whole:
+        assert loss[t] == by_step[int(step[t])]["loss"], (step[t], loss[t], by_step[int(step[t])]["loss"])
+    planned = prometheus.query("max_over_time(liftoff_train_planned_steps[30m])")  # stale: the run is over
+    assert sorted((s["metric"]["rank"], float(s["value"][1])) for s in planned) == [("0", 30.0), ("1", 30.0)]
+    rules = yaml.safe_load((MONITORING / "alerts.yaml").read_text())["spec"]["groups"][0]["rules"]
+    down = next(r["expr"] for r in rules if r["alert"] == "LiftoffTrainerDown")
+    deadline = time.monotonic() + 30
+    while len(prometheus.query(down)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)  # the first scrape that finds nothing listening
+    assert sorted(s["metric"]["instance"] for s in prometheus.query(down)) == sorted(
+        u.split("/")[2] for u in watched["urls"]
+    )
 
 
 def monitoring_metric_names() -> dict[str, set[str]]:
