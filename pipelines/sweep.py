@@ -86,6 +86,50 @@ def _ends(o) -> list:
     return list(o.sweep_string_iterator())
 
 
+STUDIES = Path("multirun") / "optuna.db"  # every Optuna study of this folder's sweeps (SQLite)
+
+
+def _given(overrides: list[str], key: str) -> str | None:
+    found = [o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")]
+    return found[-1] if found else None
+
+
+def optuna_study(overrides: list[str]) -> list[str]:
+    """The overrides that store an Optuna sweep's study and resume it: `hydra.sweeper.storage`
+    (default: SQLite in multirun/optuna.db), `study_name` (default: named after the sweep's
+    overrides, trial count aside) and `n_trials`, the trials the study still lacks. A sweep
+    stopped after k of n trials, run again, runs the n - k left; SweepDone when none is."""
+    import optuna
+    from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
+
+    from pipelines.cluster import sweep_name
+
+    storage = _given(overrides, "hydra.sweeper.storage")
+    if storage is None:
+        STUDIES.parent.mkdir(parents=True, exist_ok=True)
+        storage = f"sqlite:///{STUDIES.resolve()}"
+    name = _given(overrides, "hydra.sweeper.study_name")
+    name = name or sweep_name([o for o in overrides if not o.startswith("hydra.sweeper.n_trials=")])
+    wanted = int(_given(overrides, "hydra.sweeper.n_trials") or OptunaSweeperConf.n_trials)
+    try:
+        trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+    except KeyError:  # no such study yet
+        trials = []
+    done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    if done >= wanted:
+        raise SweepDone(f"study {name} in {storage} has its {done} trial(s): raise hydra.sweeper.n_trials to go on")
+    if done:
+        print(f"resuming Optuna study {name}: {done} of {wanted} trial(s) done ({storage})", flush=True)
+    kept = [o for o in overrides if not o.startswith(("hydra.sweeper.storage=", "hydra.sweeper.study_name=",
+                                                     "hydra.sweeper.n_trials="))]  # fmt: skip
+    return [*kept, f"hydra.sweeper.storage={storage}", f"hydra.sweeper.study_name={name}",
+            f"hydra.sweeper.n_trials={wanted - done}"]  # fmt: skip
+
+
+class SweepDone(ConfigError):
+    """An Optuna study already has the trials asked for: nothing to run."""
+
+
 def hydra_sweep(
     overrides: list[str], sweep_dir: Path, run_trial: Callable[[list[str], DictConfig, Path], dict]
 ) -> tuple[list[Trial], dict, str]:
@@ -117,6 +161,8 @@ def hydra_sweep(
         return value
 
     logging.getLogger("alembic").setLevel(logging.WARNING)  # optuna's storage layer: plugin chatter on import
+    if sweeper_of(overrides) == "optuna":
+        overrides = optuna_study(overrides)
     version.setbase("1.3")
     GlobalHydra.instance().clear()
     hydra = Hydra.create_main_hydra2(task_name="liftoff", config_search_path=create_config_search_path(str(CONF_DIR)))
@@ -248,19 +294,39 @@ def _png(draw) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def per_trial(ax, trials: list[Trial], so_far: list[float], objective: str) -> None:
+    """The objective of each trial and the best so far, trials on whole-number ticks."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.plot([t.number for t in trials], [t.value for t in trials], "o", color="#1f77b4", label="trial")
+    ax.plot([t.number for t in trials], so_far, "-", color="#ff7f0e", label="best so far")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("trial")
+    ax.set_ylabel(objective)
+    ax.legend()
+
+
+def shown(overrides: list[str], digits: int = 4) -> str:
+    """Overrides as a reader compares them: a sampled float to `digits` significant figures
+    (`train.lr=0.0012345678901234567` -> `train.lr=0.001235`); sweep.md keeps them exact."""
+    out = []
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        try:
+            number = float(value)
+            exact = not any(c in value.lower() for c in ".e") or len(value) <= digits + 2
+            out.append(o if exact else f"{key}{sep}{number:.{digits}g}")
+        except ValueError:
+            out.append(o)
+    return " ".join(out)
+
+
 def summary_html(trials: list[Trial], objective: str, direction: str, weights: dict[str, float] | None) -> str:
     winner = best_trial(trials, direction)
     pick = min if direction == "minimize" else max
     so_far = [pick(t.value for t in trials[: i + 1]) for i in range(len(trials))]
 
-    def per_trial(ax) -> None:
-        ax.plot([t.number for t in trials], [t.value for t in trials], "o", color="#1f77b4", label="trial")
-        ax.plot([t.number for t in trials], so_far, "-", color="#ff7f0e", label="best so far")
-        ax.set_xlabel("trial")
-        ax.set_ylabel(objective)
-        ax.legend()
-
-    plots = [(_png(per_trial), "objective per trial")]
+    plots = [(_png(lambda ax: per_trial(ax, trials, so_far, objective)), "objective per trial")]
     if weights:
 
         def bars(ax) -> None:
@@ -269,11 +335,11 @@ def summary_html(trials: list[Trial], objective: str, direction: str, weights: d
             ax.set_xlabel("importance (mean decrease in impurity)")
 
         plots.append((_png(bars), "parameter importance"))
-    rows = [[t.number, " ".join(t.swept), t.value] for t in trials]
+    rows = [[t.number, shown(t.swept), t.value] for t in trials]
     head = {
         "objective": f"{objective} ({direction})",
         "trials": str(len(trials)),
-        "best": f"trial {winner.number}: {objective} {winner.value:.6g}, {' '.join(winner.swept)}",
+        "best": f"trial {winner.number}: {objective} {winner.value:.6g}, {shown(winner.swept)}",
         "every trial with": " ".join(winner.fixed) or "defaults",
     }
     body = [
