@@ -18,6 +18,13 @@ def _nan(x) -> float:
     return float("nan") if x is None else float(x)
 
 
+GIB_PER_GB = 1e9 / 2**30  # what the run prints is in GiB; the stages record GB (1e9 bytes, data sheets' unit)
+
+
+def gib(gb: float | None) -> float | None:
+    return None if gb is None else gb * GIB_PER_GB
+
+
 @dataclass
 class TokenizeSummary:
     ref: str
@@ -58,7 +65,7 @@ class PreflightSummary:
         if self.skipped:
             return f"skipped: {self.skipped}"
         healthy = sum(n.healthy for n in self.nodes)
-        plan = f"plan {self.plan_total_gb:.3g} GB per device of a {self.budget_gb:.3g} GB budget"
+        plan = f"plan {gib(self.plan_total_gb):.3g} GiB per device of a {gib(self.budget_gb):.3g} GiB budget"
         reused = f"measurements reused ({self.reused_min:.0f} min old), " if self.reused_min is not None else ""
         warned = sum(bool(n.warnings) for n in self.nodes)
         warned = f", {warned} warned (preflight.outliers=warn)" if warned else ""
@@ -67,10 +74,10 @@ class PreflightSummary:
     def table(self) -> list[str]:
         """One row per node: its health and the benchmarks it was judged by, then why each
         unhealthy node is."""
-        head = ["node", "verdict", f"{self.gemm_dtype} TFLOP/s", "mem GB/s", "busbw GB/s", "memory GB"]
+        head = ["node", "verdict", f"{self.gemm_dtype} TFLOP/s", "mem GB/s", "busbw GB/s", "memory GiB"]
         rows = [head]
         for n in self.nodes:
-            figures = (n.gemm_tflops, n.membw_gbps, n.busbw_gbps, n.memory_gb)
+            figures = (n.gemm_tflops, n.membw_gbps, n.busbw_gbps, gib(n.memory_gb))
             cells = [("-" if v is None else f"{v:.4g}") for v in figures]
             rows.append([n.node, "healthy" if n.healthy else "UNHEALTHY", *cells])
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -92,7 +99,7 @@ class TrainSummary:
 
     def line(self) -> str:
         losses = f"loss {_nan(self.initial_loss):.2f} -> {_nan(self.final_loss):.2f}"
-        speed = f"{self.tokens_per_s:,.0f} tokens/s, peak {self.peak_memory_gb:.2f} GB"
+        speed = f"{self.tokens_per_s:,.0f} tokens/s, peak {gib(self.peak_memory_gb):.2f} GiB"
         where = f"; on {', '.join(self.nodes)}" if self.nodes else ""
         out = "".join(f"; left out {n}: {why}" for n, why in self.left_out.items())
         return f"{self.continued}; {losses}, {speed}, {self.model}{where}{out}"

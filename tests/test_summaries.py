@@ -21,13 +21,22 @@ def through_kfp(summary):
 
 def test_every_stages_summary_reads_back_as_itself_after_kfp():
     rows = [
-        s.NodeRow("h-node0#0", True, 98.5, 2100.0, 3.1, 80.0),
+        s.NodeRow("h-node0#0", True, 98.5, 2100.0, 3.1, 80.0, [], ["membw_gbps=2100 is 13.0 robust SDs below"]),
         s.NodeRow("h-node1#1", False, 10.0, None, None, 80.0, ["gemm_tflops_bf16=10 is 9.0 robust SDs below"]),
     ]
     stages = [
         s.TokenizeSummary("dataset/kjv@abc", 3189, 153, True),
-        s.PreflightSummary(rows, "bf16", 1.25, 64.0, "/tmp/report.html"),
-        s.TrainSummary("model/tiny@def", "fresh", 6.93, 5.49, 5517.0, 0.53),
+        s.PreflightSummary(rows, "bf16", 1.25, 64.0, "/tmp/report.html", 4.2),
+        s.TrainSummary(
+            "model/tiny@def",
+            "fresh",
+            6.93,
+            5.49,
+            5517.0,
+            0.53,
+            ["h-node0", "h-node2"],
+            {"h-node1": "gemm_tflops_bf16=10 is 9.0 robust SDs below"},
+        ),  # fmt: skip
         s.ValidateSummary({"hashes": True, "finite": True}),
         s.EvaluateSummary(5.4, 221.4),
     ]
@@ -35,8 +44,21 @@ def test_every_stages_summary_reads_back_as_itself_after_kfp():
         back = through_kfp(summary)
         assert type(back) is type(summary) and back.line() == summary.line(), summary
     table = through_kfp(stages[1]).table()
-    assert table[0].split() == ["node", "verdict", "bf16", "TFLOP/s", "mem", "GB/s", "busbw", "GB/s", "memory", "GB"]
-    assert table[2].split()[:3] == ["h-node1#1", "UNHEALTHY", "10"] and table[-1].startswith("h-node1#1: gemm_tflops")
+    assert table[0].split() == ["node", "verdict", "bf16", "TFLOP/s", "mem", "GB/s", "busbw", "GB/s", "memory", "GiB"]
+    assert table[1].split()[-1] == "74.51"  # 80 GB (1e9 bytes, as recorded) in GiB
+    assert table[2].split()[:3] == ["h-node1#1", "UNHEALTHY", "10"] and table[-2].startswith("h-node1#1: gemm_tflops")
+    assert table[-1] == "h-node0#0: warning: membw_gbps=2100 is 13.0 robust SDs below"
+    assert through_kfp(stages[1]).line() == (
+        "measurements reused (4 min old), 1/2 nodes healthy, 1 warned (preflight.outliers=warn), "
+        "plan 1.16 GiB per device of a 59.6 GiB budget"
+    )
+    assert (
+        through_kfp(stages[2])
+        .line()
+        .endswith(
+            "peak 0.49 GiB, model/tiny@def; on h-node0, h-node2; left out h-node1: gemm_tflops_bf16=10 is 9.0 robust SDs below"
+        )
+    )
 
 
 def test_a_nan_loss_travels_as_none_and_reads_nan():

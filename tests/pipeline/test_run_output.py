@@ -57,7 +57,7 @@ def test_a_run_prints_a_status_line_per_stage_and_ends_with_the_report(default_r
     # every stage's result line is its typed summary's (components/summaries.py), from its outputs
     for said in (
         r"dataset/kjv@\w+: [\d,]+ train / [\d,]+ val blocks",
-        r"2/2 nodes healthy, plan [\d.]+ GB per device of a [\d.]+ GB budget",
+        r"2/2 nodes healthy, plan [\d.]+ GiB per device of a [\d.]+ GiB budget",
         r"(\d+)/\1 checks passed",
         r"val loss [\d.]+, perplexity [\d.]+",
     ):
