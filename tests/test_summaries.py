@@ -52,13 +52,9 @@ def test_every_stages_summary_reads_back_as_itself_after_kfp():
         "measurements reused (4 min old), 1/2 nodes healthy, 1 warned (preflight.outliers=warn), "
         "plan 1.16 GiB per device of a 59.6 GiB budget"
     )
-    assert (
-        through_kfp(stages[2])
-        .line()
-        .endswith(
-            "peak 0.49 GiB, model/tiny@def; on h-node0, h-node2; left out h-node1: gemm_tflops_bf16=10 is 9.0 robust SDs below"
-        )
-    )
+    said = through_kfp(stages[2]).line()
+    assert said.endswith("peak 0.49 GiB, model/tiny@def; on h-node0, h-node2; left out h-node1: gemm_tflops_bf16=10 "
+                         "is 9.0 robust SDs below")  # fmt: skip
 
 
 def test_a_nan_loss_travels_as_none_and_reads_nan():
