@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components import page
+from components.identity import NOT_IDENTITY
 from components.plots import lines_png, read_timeline
 from components.store import ArtifactStore, Manifest, NotFound, Ref
 from components.train.report import final_metrics
-from components.train.stage import NOT_IDENTITY
 from pipelines.artifacts import parse_target, run_folder_refs
 
 COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]

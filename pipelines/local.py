@@ -123,7 +123,7 @@ def interruption_line(cfg: DictConfig, stages: StageLines, step: int | None, sto
 
 def _newest_checkpoint(cfg: DictConfig, stages: StageLines, store) -> str | None:
     """The newest stored checkpoint of this run's training identity, once its dataset is known."""
-    from components.train.stage import training_identity
+    from components.identity import training_identity
 
     tokenize = stages.ends.get("tokenize")
     dataset = getattr(summaries.find(tokenize.outputs), "ref", None) if tokenize else None  # its TokenizeSummary

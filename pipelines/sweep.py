@@ -198,8 +198,8 @@ def submitted_eval(store, cfg: DictConfig, since: float) -> str:
 
     from components.config import as_plain_dict
     from components.evaluate.stage import eval_suffix
+    from components.identity import NOT_IDENTITY
     from components.store import Ref
-    from components.train.stage import NOT_IDENTITY
 
     typed = OmegaConf.to_object(cfg)
     wanted = {k: v for k, v in as_plain_dict(typed.train).items() if k not in NOT_IDENTITY}

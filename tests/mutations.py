@@ -42,7 +42,7 @@ MUTATIONS = [
     # issue 41's nine survivors of the audit
     Mutation(
         "identity: warmup_steps and min_lr no longer part of the training identity",
-        "components/train/stage.py",
+        "components/identity.py",
         '    "profile_poll_steps",\n',
         '    "profile_poll_steps", "warmup_steps", "min_lr",\n',
         ("tests/train/test_identity.py",),
@@ -192,7 +192,7 @@ MUTATIONS = [
     ),
     Mutation(
         "identity: dp_replicate part of the training identity (no resume under another layout)",
-        "components/train/stage.py",
+        "components/identity.py",
         '    "dp_replicate",  # HSDP\'s layout, as the world size\n',
         "",
         ("tests/train/test_identity.py::test_a_bookkeeping_setting_keeps_the_training_identity[dp_replicate]",),

@@ -24,9 +24,9 @@ def preflight(
     from pathlib import Path
 
     from components import summaries
+    from components.identity import trained_to_the_end
     from components.preflight.stage import gate, run_preflight, summary
     from components.task import input_ref, stage_task
-    from components.train.stage import trained_to_the_end
 
     with stage_task("preflight", model=model, train=train, preflight=preflight, cluster=cluster, store=store) as t:
         g, cfg = t.groups, t.groups["preflight"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import signal
@@ -15,53 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components import fleet
-from components.config import ClusterConfig, ModelConfig, Scheduler, TrainConfig, as_plain_dict, drop_none
+from components.config import ClusterConfig, ModelConfig, Scheduler, TrainConfig
+from components.identity import training_identity
 from components.launcher import Launch, replica_store, run_app
-from components.store import ArtifactStore, Manifest, Ref, StoreError
+from components.store import ArtifactStore, Manifest, Ref
 from components.store.lease import Lease, default_holder
 from components.train.prelaunch import check_inputs
 from components.train.spec import TrainSpec, WorkerResult
 
 log = logging.getLogger(__name__)
-
-# Train settings that do not change the optimisation trajectory: a run differing only in these
-# continues the same training (same checkpoints); anything else (steps, warmup, lr, min_lr, the
-# schedule, the seed, the batch, precision...) is a new training identity, so `resume=auto`
-# never continues another schedule's checkpoint. Continuing another run is explicit
-# (`train.resume=<version>`), and the seed is then part of the identity. The world size is not
-# in it: DCP reshards the checkpoint and the sample order does not depend on it.
-NOT_IDENTITY = {
-    "checkpoint_dir",
-    "checkpoint_interval",
-    "checkpoint_keep",
-    "checkpoint_async",
-    "checkpoint_block_kib",
-    "resume",
-    "run_dir",
-    "log_interval",
-    "val_interval",
-    "on_nonfinite",
-    "max_bad_steps",
-    "on_spike",
-    "loss_spike_factor",
-    "max_spikes",
-    "sdc_interval",
-    "straggler_interval",
-    "straggler_zscore",
-    "watchdog_timeout_s",
-    "peak_tflops",
-    "compile",
-    "fsdp_sync_every_microbatch",  # the reduction order, as the world size: rounding, not the math
-    "dp_replicate",  # HSDP's layout, as the world size
-    "tp",  # tensor parallelism's layout: DCP reshards its checkpoints into any other
-    "pp",  # pipeline parallelism's layout, as tp: a stage saves the full model's names
-    "pp_schedule",  # the order micro-batches run in: the same averaged gradient
-    "activation_checkpointing",
-    "ac_every_n_blocks",
-    "metrics_port",
-    "profile_poll_steps",
-}
-
 
 LEASE_TTL_S = 120.0  # a driver lost without releasing its lease (OOM, node failure) blocks reruns this long
 
@@ -93,32 +54,6 @@ def require_passing_verdict(verdict: dict) -> dict:
         unhealthy = "; ".join(f"{n}: {', '.join(r)}" for n, r in verdict.get("unhealthy", {}).items())
         raise PreflightNotPassed(f"preflight did not pass{': ' + unhealthy if unhealthy else ''}; not training")
     return verdict
-
-
-def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> str:
-    math = {k: v for k, v in as_plain_dict(train).items() if k not in NOT_IDENTITY}
-    if train.resume not in ("auto", "never"):  # a seeded run continues that checkpoint's trajectory
-        math["seed_checkpoint"] = train.resume
-    ident = {"dataset": dataset, "model": drop_none(as_plain_dict(model)), "train": math}
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def trained_to_the_end(dataset: str, model: ModelConfig, train: TrainConfig, store: ArtifactStore) -> str | None:
-    """The stored checkpoint at train.steps that `train.resume=auto` would continue from, all its
-    objects there at their sizes: a run that resumes there trains no step (preflight skips)."""
-    from components.checkpoint_fetch import step_of_manifest
-
-    if train.resume != "auto":
-        return None
-    try:
-        identity = training_identity(str(store.resolve(*_kind_name_version(dataset)).ref), model, train)
-        for m in store.versions("checkpoint", model.name):
-            if m.metadata.get("identity") == identity and step_of_manifest(m) == train.steps:
-                if not store.size_problems(m):
-                    return str(m.ref)
-    except StoreError as e:  # preflight then measures: no skip on a doubt
-        log.warning("preflight: could not look for a finished checkpoint: %s", e)
-    return None
 
 
 def train_launch(

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from components.config import as_plain_dict, compose, defaults
 from components.evaluate.stage import eval_suffix
-from components.train.stage import training_identity
+from components.identity import training_identity
 
 DATASET = "dataset/kjv@0123456789ab"
 
