@@ -15,6 +15,9 @@ from components.config import StoreBackend, StoreConfig, compose, defaults
 from components.store import open_store
 from components.tokenize.stage import run_tokenize
 
+# the asserts in tests/helpers.py report their operands on failure, as a test module's do
+pytest.register_assert_rewrite("tests.helpers")
+
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "corpus" / "kjv.jsonl"
 S3_ACCESS_KEY = "liftoff-test-access-SENTINEL-7f3a"

@@ -17,16 +17,9 @@ from components.store import KINDS, open_store
 from pipelines.artifacts import human_size, when
 from pipelines.cli import COMMANDS, main
 from pipelines.compare import RUNTIME_ONLY
+from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    """`python -m pipelines.cli` on this checkout, as the `liftoff` entry point runs it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw
-    )
 
 
 def test_help_lists_every_command_on_one_line(capsys):

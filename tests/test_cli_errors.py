@@ -16,7 +16,7 @@ import pytest
 from components.config import defaults
 from components.store import Ref, open_store
 from tests.conftest import ROOT, S3_ACCESS_KEY, S3_SECRET_KEY, free_port
-from tests.pipeline.test_cluster import CLUSTER
+from tests.helpers import CLUSTER
 
 VERSION = "6aa3c0ffee"  # the model version in the store the artifacts cases read
 

@@ -336,7 +336,7 @@ def test_pipeline_degrees_that_cannot_fill_the_stages_fail_at_compose(overrides,
     ],
 )
 def test_the_liftoff_command_refuses_them_in_one_line(override, message):
-    from tests.test_cli import cli
+    from tests.helpers import cli
 
     proc = cli("config", override)
     assert proc.returncode == 2 and proc.stdout == ""

@@ -19,9 +19,8 @@ from components.config import StoreBackend, defaults
 from components.launcher import QUIET_WARNINGS, Launch, LaunchError, run_app
 from tests.conftest import ROOT, S3_ACCESS_KEY, S3_SECRET_KEY, Trainer
 from tests.faults import injected
+from tests.helpers import TWO_NODES
 from tests.pod_probe import ProbeSpec
-
-TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
 
 
 def test_each_node_has_its_own_directory_and_only_its_declared_environment(tmp_path, s3_env, monkeypatch):

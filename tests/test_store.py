@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,13 +19,7 @@ from components.store import (
     open_store,
 )
 from tests.conftest import free_port
-
-
-def make_tree(root: Path, seed: str) -> Path:
-    (root / "sub").mkdir(parents=True)
-    (root / "a.txt").write_text(f"alpha {seed}")
-    (root / "sub" / "b.bin").write_bytes(seed.encode() * 1000)
-    return root
+from tests.helpers import make_tree
 
 
 def test_publish_resolve_fetch_roundtrip(store, tmp_path):

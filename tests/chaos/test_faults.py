@@ -21,7 +21,7 @@ from components.store import Ref, StoreUnreachable, open_store
 from tests.chaos.conftest import TcpProxy, descendants, kill_tree
 from tests.conftest import CORPUS, Trainer
 from tests.faults import fault_env
-from tests.test_store import make_tree
+from tests.helpers import make_tree
 
 # A small, fast run that still has the shipped default's shape: 2 nodes x 1 process, each node
 # with its own disk, checkpoints joined from both nodes' parts in the store.
@@ -242,6 +242,6 @@ def test_a_killed_rank_of_fsdp_fp8_compiled_training_resumes_to_identical_weight
     """Rank 1 SIGKILLs itself at step 15 under FSDP2 with fp8 all-gather, activation checkpointing
     and compiled blocks; the relaunch resumes from step 10 to the weights of an uninterrupted run
     (within 1e-6), and the trained model has every wrapper (tests/train/test_training.py)."""
-    from tests.train.test_training import FSDP_FP8_AC_COMPILE, killed_rank_resumes_to_identical_weights
+    from tests.helpers import FSDP_FP8_AC_COMPILE, killed_rank_resumes_to_identical_weights
 
     killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, FSDP_FP8_AC_COMPILE)

@@ -13,7 +13,7 @@ from components.config import StoreBackend, defaults
 from components.store import Ref, open_store
 from pipelines.cli import main
 from tests.conftest import S3_ACCESS_KEY, S3_SECRET_KEY
-from tests.pipeline.test_local_run import FAST
+from tests.helpers import FAST
 
 
 @pytest.mark.chaos_slow  # 68 s, a whole run over S3: in `make chaos`, out of `make test`

@@ -15,18 +15,11 @@ import yaml
 from components import k8s
 from pipelines.cli import main
 from tests.conftest import S3_ACCESS_KEY, S3_SECRET_KEY
+from tests.helpers import CLUSTER
 
 ROOT = Path(__file__).resolve().parents[2]
 VOLCANO_CRD = ROOT / "tests" / "schemas" / "batch.volcano.sh_jobs.yaml"
 K8S_VERSION = "1.30"
-CLUSTER = [
-    "cluster=kubernetes",
-    "store=minio",
-    "cluster.nodes=2",
-    "cluster.procs_per_node=8",
-    "cluster.image=registry.example.com/liftoff:0123456789",
-    "+cluster.node_selector={nvidia.com/gpu.product:NVIDIA-H200}",
-]
 # the fabric and disks of an RDMA cluster, and a private registry: rendered into every object
 FABRIC = [
     "cluster.image_pull_secrets=[regcred]",

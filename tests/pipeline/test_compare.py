@@ -12,7 +12,7 @@ from components.evaluate.stage import run_evaluate
 from components.store import Ref
 from pipelines.cli import main
 from tests.conftest import Trainer
-from tests.stages.test_eval_report import HEIGHT, WIDTH, chromium, rendered
+from tests.helpers import HEIGHT, WIDTH, chromium, rendered
 
 CURVES = {"loss", "learning rate", "grad norm", "tokens/s"}
 

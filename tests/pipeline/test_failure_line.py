@@ -11,8 +11,7 @@ import sys
 
 from tests.conftest import ROOT
 from tests.faults import RAISED_VERSION, fault_env
-from tests.pipeline.test_local_run import FAST
-from tests.pipeline.test_run_output import one_error_line
+from tests.helpers import FAST, one_error_line
 
 
 def test_liftoff_run_names_the_replica_that_failed_first(tmp_path):

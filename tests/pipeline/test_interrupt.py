@@ -16,7 +16,7 @@ from components.store import open_store
 from pipelines.interrupt import descendants
 from tests.conftest import ROOT
 from tests.faults import fault_env
-from tests.pipeline.test_local_run import FAST
+from tests.helpers import FAST
 
 RUN = [*(o for o in FAST if not o.startswith("train.steps=")), "train.steps=20", "train.log_interval=1"]
 

@@ -204,7 +204,7 @@ def test_an_optuna_sweep_on_kfp_scores_each_run_by_the_eval_it_put_in_the_store(
 
     from components.config import compose
     from components.store import open_store
-    from tests.pipeline.test_local_run import TOY
+    from tests.helpers import TOY
 
     def execute(run: dict) -> None:
         params = in_tmp / f"run-{run['run_id']}.json"

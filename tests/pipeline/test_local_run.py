@@ -8,18 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import main
-from tests.conftest import CORPUS, split_corpus, upload_corpus
-
-FAST = [
-    f"data.paths=[{CORPUS}]",
-    "train.steps=10",
-    "train.warmup_steps=2",
-    "train.checkpoint_interval=5",
-    "eval.val_blocks=8",
-    "eval.max_new_tokens=4",
-    "preflight.gemm_size=128",
-    "preflight.membw_mb=8",
-]
+from tests.conftest import split_corpus, upload_corpus
+from tests.helpers import FAST, TOY
 
 
 @pytest.fixture
@@ -167,10 +157,6 @@ def test_a_group_edited_as_the_ui_sends_it_fails_in_the_stage_naming_the_key(in_
     assert stage_lines and "must be >= 0 and < train.steps=10" in stage_lines[-1]
     assert executed(out) == ["tokenize-plan", "tokenize-shard", "tokenize-merge", "preflight"]  # train never launched
     assert not (in_tmp / "runs").exists()
-
-
-# one process in fp32: four whole runs of the DAG at toy size
-TOY = [*FAST, "cluster.nodes=1", "train.precision=fp32", "train.activation_checkpointing=false"]
 
 
 @pytest.mark.chaos_slow  # 2-3.5 min: in `make chaos`, out of `make test`'s 30 minutes

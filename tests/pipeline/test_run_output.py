@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
-from tests.pipeline.test_local_run import FAST
+from tests.helpers import FAST, one_error_line
 
 
 def liftoff(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -103,15 +103,6 @@ def test_the_lines_a_run_shows_come_from_events_not_from_log_text(default_run, w
             ln = ln if events.parse(ln) else ln.replace(old, new)
         reworded.append(ln)
     assert reworded != log and shown_lines(reworded) == shown
-
-
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode != 0
-    err = proc.stderr.strip().splitlines()
-    assert len(err) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr and "\x1b[" not in proc.stderr + proc.stdout
-    assert re.search(r"full log: (\S+run\.log)\)$", err[0])
-    return err[0]
 
 
 def test_a_missing_data_file_is_one_line_naming_it_before_any_stage(tmp_path):

@@ -7,11 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import subprocess
-import tempfile
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -19,24 +14,9 @@ import pytest
 from components.evaluate.report import identity_rows, report_html
 from components.plots import read_timeline
 from components.store import Manifest, Ref
+from tests.helpers import HEIGHT, WIDTH, chromium, rendered
 
-WIDTH, HEIGHT = 1200, 2000
 PLOTS = {"loss", "lr", "grad_norm", "tokens_per_s", "peak_memory", "step_s"}
-# a rendered copy reports what the browser made of each image and of the header
-PROBE = """<script>
-window.addEventListener('load', () => {
-  const imgs = [...document.images].map(i => {
-    const r = i.getBoundingClientRect();
-    return {alt: i.alt, w: i.naturalWidth, h: i.naturalHeight, x: r.left, y: r.top, rw: r.width, rh: r.height};
-  });
-  const header = document.querySelector('#identity');
-  const out = document.createElement('pre');
-  out.id = 'probe';
-  const headerBg = getComputedStyle(header).backgroundColor;
-  out.textContent = JSON.stringify({imgs, header: header.innerText, headerBg});
-  document.body.appendChild(out);
-});
-</script>"""
 
 
 def write_run_records(path: Path, steps: int = 60, val_interval: int = 20) -> None:
@@ -93,49 +73,6 @@ def build_report(tmp_path: Path) -> Path:
     out = tmp_path / "report.html"
     out.write_text(page)
     return out
-
-
-def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("chromium")
-    assert exe, "chromium is not installed: `make test` installs Debian's package (apt-get install chromium)"
-    # its own HOME, TMPDIR and profile, at a short path: chromium puts its singleton socket
-    # there, and a unix socket path over 107 bytes aborts it (pytest's tmp_path can be longer)
-    short = Path(tempfile.mkdtemp(prefix="chr-", dir="/tmp"))
-    flags = [
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-        "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--hide-scrollbars", f"--user-data-dir={short / 'profile'}", f"--window-size={WIDTH},{HEIGHT}",
-    ]  # fmt: skip
-    env = {**os.environ, "HOME": str(short), "TMPDIR": str(short)}
-    try:
-        proc = subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120, env=env)
-    finally:
-        shutil.rmtree(short, ignore_errors=True)
-    assert proc.returncode == 0, f"chromium exited {proc.returncode}: {proc.stderr[-2000:]}"
-    return proc
-
-
-class _Probe(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.inside, self.text = False, ""
-
-    def handle_starttag(self, tag, attrs):
-        self.inside = self.inside or dict(attrs).get("id") == "probe"
-
-    def handle_data(self, data):
-        if self.inside:
-            self.text += data
-
-
-def rendered(tmp_path: Path, report: Path) -> dict:
-    probed = tmp_path / "probed.html"
-    probed.write_text(report.read_text().replace("</body>", PROBE + "</body>"))
-    dom = chromium(tmp_path, "--virtual-time-budget=5000", "--dump-dom", probed.as_uri()).stdout
-    parser = _Probe()
-    parser.feed(dom)
-    assert parser.text, f"the probe script did not run; DOM starts {dom[:300]!r}"
-    return json.loads(parser.text)
 
 
 def test_the_records_timeline_keeps_the_rerun_of_resumed_steps(tmp_path):

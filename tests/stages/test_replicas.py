@@ -15,7 +15,7 @@ from components.sharded_model import export_bytes
 from components.store import Ref, open_store, sha256_file
 from components.validate.checks import ValidationFailed
 from components.validate.stage import run_validate
-from tests.train.test_resume import TWO_NODES, allocated, s3_trainer, shared_bytes
+from tests.helpers import TWO_NODES, allocated, s3_trainer, shared_bytes
 
 BLOCK_KIB = 4
 EVAL = {"val_blocks": 16, "batch_size": 4, "prompts": ["In the beginning"], "max_new_tokens": 8}

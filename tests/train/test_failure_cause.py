@@ -12,8 +12,8 @@ from components import events
 from components.launcher import LaunchError
 from pipelines.progress import failure_cause
 from tests.faults import RAISED_VERSION, injected
+from tests.helpers import TWO_NODES
 
-TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
 SHORT = ["train.steps=8", "train.warmup_steps=2", "train.checkpoint_interval=100", "cluster.max_restarts=0"]
 NOT_FOUND = f"NotFound: no version {RAISED_VERSION} of checkpoint/tiny in the store"
 

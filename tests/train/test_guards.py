@@ -15,7 +15,7 @@ from components.plots import read_records
 from components.train import guards, sdc
 from tests.conftest import Trainer
 from tests.faults import injected
-from tests.train.test_training import TWO_NODES, events, final_weights
+from tests.helpers import TWO_NODES, events, final_weights
 
 FLIPPED = "model.layers.0.mlp.up_proj.weight"
 # checks after steps 4, 8, 10 (the checkpoint), 12, 16, 20: the flip after step 12 is found at 16,

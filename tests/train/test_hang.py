@@ -16,8 +16,7 @@ from components.failures import behind
 from components.launcher import LaunchError
 from components.train.collectives import HANGS
 from tests.faults import injected
-
-TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
+from tests.helpers import TWO_NODES
 
 
 def test_a_rank_stalled_in_an_all_reduce_is_named_with_its_node_and_the_collective(trainer):

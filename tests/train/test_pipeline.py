@@ -8,7 +8,7 @@ import math
 from components.plots import read_records
 from tests.conftest import Trainer
 from tests.faults import injected, read_batches
-from tests.train.test_training import TWO_NODES, assert_trains_like, final_weights, stored_checkpoints
+from tests.helpers import TWO_NODES, assert_trains_like, final_weights, stored_checkpoints
 
 # four blocks: two stages of two (1F1B), or four of one, two per rank (interleaved 1F1B)
 COMMON = ["train.precision=fp32", "train.warmup_steps=2", "train.checkpoint_interval=10", "model.num_layers=4"]

@@ -12,8 +12,7 @@ from components.preflight.stage import run_preflight
 from components.train.stage import train_launch
 from pipelines.cli import main
 from tests.faults import injected
-
-TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
+from tests.helpers import TWO_NODES
 
 
 def test_a_straggler_is_quarantined_and_the_next_launch_runs_on_the_spare_node(trainer, capsys):

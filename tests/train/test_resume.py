@@ -12,12 +12,12 @@ from safetensors.torch import load_file
 
 from components import checkpoint_format as ckpt
 from components.checkpoint_fetch import fetch_reads
-from components.config import StoreBackend, defaults
-from components.store import Ref, open_store
+from components.config import defaults
+from components.store import Ref
 from components.train.resume import _decide
 from tests.conftest import Trainer
+from tests.helpers import TWO_NODES, allocated, s3_trainer, shared_bytes
 
-TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
 SHORT = ["train.steps=20", "train.checkpoint_interval=10", "model.hidden_size=32", "model.ffn_hidden_size=96"]
 
 
@@ -175,43 +175,6 @@ def test_two_runs_of_one_identity_against_one_store_one_trains_the_other_refuses
     launches = [m.ref.version for m in trainer.store.versions("run", trained[0].identity)]
     assert len(launches) == 1 and launches[0] in refused[0].holder  # the holder is the run that trained
     assert f"training identity {trained[0].identity} is held by" in str(refused[0])
-
-
-def s3_trainer(dataset_store, tmp, bucket: str) -> Trainer:
-    """A Trainer whose store is a bucket on the loopback S3 server, holding the tokenized corpus."""
-    trainer = Trainer(dataset_store, tmp)
-    cfg = defaults(
-        "store", backend=StoreBackend.minio, bucket=bucket, root="", cache_dir=str(tmp / "cache"),
-        secret_name="liftoff-minio", timeout_s=10.0,
-    )  # fmt: skip
-    store = open_store(cfg)
-    source = dataset_store / "store"
-    for path in sorted(p for p in source.rglob("*") if p.is_file()):
-        store.backend.put_file(path.relative_to(source).as_posix(), path)
-    trainer.store_cfg, trainer.store = cfg, store
-    return trainer
-
-
-def allocated(path) -> int:
-    """Bytes the file holds on disk: a block never written is a hole and takes none."""
-    return path.stat().st_blocks * 512 if path.exists() else 0
-
-
-def shared_bytes(ckpt_dir, name: str, block: int) -> int:
-    """The bytes of the items in shard file `name` that every rank reads (DCP's byte items and
-    whole tensors: the replicated ones saved once), rounded out to whole blocks, plus one block:
-    the most a rank of the same layout may fetch of another rank's file."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    md = ckpt.read_metadata_safely(ckpt_dir / ".metadata")
-    shared = 0
-    for index, info in md.storage_data.items():
-        stored = md.state_dict_metadata[index.fqn]
-        whole = isinstance(stored, BytesStorageMetadata) or all(
-            tuple(c.sizes) == tuple(stored.size) for c in stored.chunks
-        )
-        shared += info.length if info.relative_path == name and whole else 0
-    return -(-shared // block) * block + block
 
 
 @pytest.mark.parametrize("backend", ["local", "minio"])

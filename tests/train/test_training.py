@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from components import checkpoint_format as ckpt
 from components.config import defaults
@@ -21,23 +20,19 @@ from components.train.data import DataFitError
 from components.train.resume import ResumeError
 from tests.conftest import TRAIN_SHARDS, Trainer
 from tests.faults import injected, read_batches
-
-TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1"]
-
-
-def events(metrics: Path, kind: str) -> list[dict]:
-    return [e for e in read_records(metrics)[1] if e["kind"] == kind]
+from tests.helpers import (
+    TWO_NODES,
+    assert_trains_like,
+    events,
+    final_weights,
+    killed_rank_resumes_to_identical_weights,
+    stored_checkpoints,
+)
 
 
 def node_checkpoints(run, node: int) -> Path:
     """Where node `node` keeps its checkpoints: its own directory, as a pod's own disk."""
     return run.run_dir / "nodes" / str(node) / "checkpoints" / run.identity / f"node{node}"
-
-
-def stored_checkpoints(trainer, run) -> dict[int, object]:
-    """step -> manifest of the run's checkpoint versions in the store."""
-    mine = [m for m in trainer.store.versions("checkpoint", "tiny") if m.metadata["identity"] == run.identity]
-    return {m.metadata["step"]: m for m in mine}
 
 
 def test_two_node_fp8_trains_float8_linears_and_learns_like_fp32(trainer):
@@ -183,66 +178,8 @@ def ckpt_ref(version: str):
     return Ref("checkpoint", "tiny", version)
 
 
-def final_weights(run) -> dict[str, torch.Tensor]:
-    return load_file(str(run.export / "model.safetensors"))
-
-
-def assert_trains_like(one, others, steps: int = 10, tol: float = 1e-4) -> None:
-    """Each of `others` trained `one`'s losses (relative) and exported its weights within `tol`."""
-    losses = [[r["loss"] for r in read_records(run.metrics)[0]] for run in (one, *others)]
-    assert [len(x) for x in losses] == [steps] * len(losses)
-    for other in losses[1:]:
-        assert all(abs(a - b) <= tol * abs(a) for a, b in zip(losses[0], other, strict=True)), losses
-    a = final_weights(one)
-    for run in others:
-        b = final_weights(run)
-        assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < tol
-
-
-# the FSDP + fp8 + activation checkpointing + compile variant (2.5 min on 2 cores, three compiles)
-# is in the chaos suite: tests/chaos/test_faults.py, `make chaos`
-FSDP_FP8_AC_COMPILE = [
-    "train.parallelism=fsdp",
-    "train.precision=fp8",
-    "train.activation_checkpointing=true",
-    "train.compile=true",
-    "train.grad_accum_steps=2",
-    "train.micro_batch_size=4",
-]
-
-
 def test_killed_rank_resumes_to_identical_weights(dataset_store, tmp_path):
     killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, [])
-
-
-def killed_rank_resumes_to_identical_weights(dataset_store, tmp_path, setup: list[str]) -> None:
-    common = [*TWO_NODES, *setup, "train.steps=30", "train.checkpoint_interval=10", "cluster.max_restarts=1"]
-    clean = Trainer(dataset_store, tmp_path / "clean").run(*common)
-    with injected(kill_rank=1, kill_step=15):
-        killed = Trainer(dataset_store, tmp_path / "killed").run(*common)
-    clean_steps, _ = read_records(clean.metrics)
-    assert clean.final_loss < 0.9 * clean_steps[0]["loss"]  # gradients reach the (sharded) weights
-    if setup:  # the trained model: 2 blocks + the root sharded, 2 blocks checkpointed and compiled,
-        # and the 14 Float8Linear weights all-gathered in fp8 (tensorwise scaling)
-        wrapped = {"fsdp": 3, "activation_checkpoint": 2, "compiled": 2, "fp8_all_gather_params": 14}
-        wrapped["fp8_precomputed_scales"] = 14  # precompute_float8_dynamic_scale_for_fsdp ran after the step
-        assert {k: killed.result.wrapped_modules[k] for k in wrapped} == wrapped
-        assert killed.result.float8_linear_count == 14
-        # FSDP2's MixedPrecisionPolicy: the block computes with bf16 parameters (fp32 masters)
-        assert killed.result.forward_dtypes == {"norm_weight": "torch.bfloat16"}
-    else:
-        assert clean.result.forward_dtypes == {"norm_weight": "torch.float32"}
-    starts = events(killed.metrics, "start")
-    assert len(starts) == 2 and starts[1]["step"] == 10 and "-step10-" in starts[1]["resumed_from"]
-    # the relaunch replaced the run's event file: still one, steps 11-14 (trained twice) once each
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    tb = list((killed.run_dir / "nodes" / "0" / "run" / "tensorboard").glob("events.out.tfevents.*"))
-    assert len(tb) == 1
-    assert [e.step for e in EventAccumulator(str(tb[0])).Reload().Scalars("train/loss")] == list(range(1, 31))
-    a, b = final_weights(clean), final_weights(killed)
-    assert a.keys() == b.keys()
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
 
 
 def test_resume_auto_continues_from_the_store(trainer):
