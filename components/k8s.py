@@ -309,13 +309,20 @@ def as_plain(resource: dict[str, Any]) -> dict[str, Any]:
     return ApiClient().sanitize_for_serialization(resource)
 
 
-def _apis():
-    from kubernetes import client, config
+def load_config() -> None:
+    """The API server and credentials: this pod's service account, else $KUBECONFIG (or ~/.kube/config)."""
+    from kubernetes import config
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+
+
+def _apis():
+    from kubernetes import client
+
+    load_config()
     return client.CustomObjectsApi(), client.CoreV1Api()
 
 

@@ -16,6 +16,7 @@ from pipelines.commands import (
     cmd_compare,
     cmd_compile,
     cmd_config,
+    cmd_doctor,
     cmd_nodes,
     cmd_plan,
     cmd_profile,
@@ -88,14 +89,19 @@ COMMANDS: dict[str, Command] = {
         "render [overrides]",
         "what a cluster run creates (cluster configs: experiment=h200-7b): build/pretrain.yaml, build/jobs/",
     ),
+    "doctor": Command(
+        cmd_doctor,
+        "doctor [overrides]",
+        "check the live cluster and store before submitting: one row per check, exit 2 when one fails",
+    ),
     "upload": Command(
         cmd_upload,
-        "upload [overrides]",
+        "upload [--skip-doctor] [overrides]",
         "upload the pipeline to Kubeflow Pipelines (a new version; no-op if unchanged)",
     ),
     "submit": Command(
         cmd_submit,
-        "submit [-m] [--wait] [overrides]",
+        "submit [-m] [--wait] [--skip-doctor] [overrides]",
         "runs on Kubeflow Pipelines (kfp.host), one per sweep job; --wait follows them",
     ),
 }
@@ -117,13 +123,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from components.store import StoreError
     from pipelines.cluster import KfpError
+    from pipelines.doctor import Unhealthy
     from pipelines.interrupt import Interrupted
     from pipelines.local import RunFailed
 
     argv = list(sys.argv[1:] if argv is None else argv)
     _quiet_terminal()
+    one_line = (HydraException, OmegaConfBaseException, ValueError, StoreError, KfpError, RunFailed, Unhealthy)
     try:
-        return _dispatch(argv, (HydraException, OmegaConfBaseException, ValueError, StoreError, KfpError, RunFailed))
+        return _dispatch(argv, one_line)
     except BrokenPipeError:  # `liftoff artifacts ls | head -1`: the reader left; so do we, quietly
         _silence_stdout()
         return 141  # what a shell reports for a process ended by SIGPIPE

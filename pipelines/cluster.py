@@ -130,29 +130,20 @@ def refuse_local_render(cfg: DictConfig) -> None:
 
 def render(cfg: DictConfig, out: Path = BUILD) -> list[Path]:
     """What a cluster run would create, for review (like `helm template`) and schema tests:
-    the compiled pipeline and TorchX's own Kubernetes dry run of the train and preflight jobs.
-    The dataset version is known only once tokenize has run; the jobs name it `@RENDERED`."""
+    the compiled pipeline and TorchX's own Kubernetes dry run of the train and preflight jobs."""
     import yaml
     from omegaconf import OmegaConf
 
     from components import k8s
-    from components.launcher import kubernetes_job
-    from components.preflight.stage import preflight_launch
-    from components.train.stage import train_launch
 
     refuse_local_render(cfg)
     refuse_unrunnable(cfg)
     typed = OmegaConf.to_object(cfg)
-    dataset = f"dataset/{typed.data.name}@RENDERED"
     namespace = typed.cluster.namespace or "default"
-    _, _, train = train_launch(
-        dataset, typed.model, typed.train, typed.cluster, typed.store, cache_gb=typed.data.cache_gb
-    )
-    preflight = preflight_launch(dataset, typed.train, typed.cluster, typed.preflight, typed.store)
+    jobs = replica_jobs(typed, namespace)
     written = [compile_pipeline(cfg, out / "pretrain.yaml")]
     (out / "jobs").mkdir(parents=True, exist_ok=True)
-    for stage, launch in (("train", train), ("preflight", preflight)):
-        job = k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace=namespace).request.resource)
+    for stage, job in jobs.items():
         path = out / "jobs" / f"{stage}.yaml"
         path.write_text(yaml.safe_dump(job, sort_keys=False))
         written.append(path)
@@ -161,6 +152,26 @@ def render(cfg: DictConfig, out: Path = BUILD) -> list[Path]:
         path.write_text(yaml.safe_dump(k8s.metrics_policy(namespace, typed.train.metrics_port), sort_keys=False))
         written.append(path)
     return written
+
+
+def replica_jobs(typed, namespace: str) -> dict[str, dict]:
+    """The train and preflight Volcano jobs of a typed cluster config, as the API server would
+    receive them: what `render` writes and what `liftoff doctor` holds the cluster to. The
+    dataset version is known only once tokenize has run; the jobs name it `@RENDERED`."""
+    from components import k8s
+    from components.launcher import kubernetes_job
+    from components.preflight.stage import preflight_launch
+    from components.train.stage import train_launch
+
+    dataset = f"dataset/{typed.data.name}@RENDERED"
+    _, _, train = train_launch(
+        dataset, typed.model, typed.train, typed.cluster, typed.store, cache_gb=typed.data.cache_gb
+    )
+    preflight = preflight_launch(dataset, typed.train, typed.cluster, typed.preflight, typed.store)
+    return {
+        stage: k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace=namespace).request.resource)
+        for stage, launch in (("train", train), ("preflight", preflight))
+    }
 
 
 def short_commit(version: str) -> str:
@@ -231,9 +242,21 @@ def checked_backend(cfg: DictConfig, kfp_client, package: Path) -> None:
         print(f"warning: {warning}", file=sys.stderr)
 
 
-def upload(cfg: DictConfig) -> str:
-    """Upload the pipeline, or a new version named <git commit>-<config hash>; a no-op when it exists."""
+def refuse_before_kfp(cfg: DictConfig, skip_doctor: bool) -> None:
+    """What upload and submit refuse before their first call to KFP: a config that cannot run,
+    then (unless skipped) the cluster or store of a cluster config (cluster.scheduler=kubernetes)
+    the doctor finds unfit (pipelines/doctor.py). A local_cwd config launches nothing on the
+    cluster: its replicas run inside the KFP task's own pod."""
+    from pipelines.doctor import refuse_unhealthy
+
     refuse_unrunnable(cfg)
+    if not skip_doctor and getattr(cfg.cluster.scheduler, "value", cfg.cluster.scheduler) == "kubernetes":
+        refuse_unhealthy(cfg)
+
+
+def upload(cfg: DictConfig, skip_doctor: bool = False) -> str:
+    """Upload the pipeline, or a new version named <git commit>-<config hash>; a no-op when it exists."""
+    refuse_before_kfp(cfg, skip_doctor)
     kfp_client = client(cfg)
     version = f"{short_commit(code_version())}-{config_hash(cfg)}"
     package = compile_pipeline(cfg, BUILD / "pretrain.yaml")
@@ -271,13 +294,21 @@ def _pipeline_id(kfp_client, name: str, namespace: str | None) -> str | None:
     return found[0].pipeline_id if found else None
 
 
-def submit(cfg: DictConfig, job_overrides: list[str], experiment: str) -> str:
-    refuse_unrunnable(cfg)
+DOCTOR_SKIPPED = " (doctor skipped)"  # ends the name of a run submitted with --skip-doctor
+
+
+def submit(
+    cfg: DictConfig, job_overrides: list[str], experiment: str, skip_doctor: bool = False, checked: bool = False
+) -> str:
+    """One run; `checked`: the caller has refused what refuse_before_kfp refuses already."""
+    if not checked:
+        refuse_before_kfp(cfg, skip_doctor)
     kfp_client = client(cfg)
     package = compile_pipeline(cfg, BUILD / f"pretrain-{config_hash(cfg)}.yaml")
     checked_backend(cfg, kfp_client, package)
     shown = [o for o in job_overrides if not o.lstrip("+~").startswith("kfp.")]
-    run_name = f"liftoff {' '.join(shown) or 'defaults'}"[:120]
+    suffix = DOCTOR_SKIPPED if skip_doctor else ""
+    run_name = f"liftoff {' '.join(shown) or 'defaults'}"[: 120 - len(suffix)] + suffix
     run = _call(
         lambda: kfp_client.create_run_from_pipeline_package(
             str(package),

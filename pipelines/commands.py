@@ -338,31 +338,82 @@ def cmd_render(args: list[str]) -> int:
     return 0
 
 
+def cmd_doctor(args: list[str]) -> int:
+    """Check the live cluster and store the config names before anything is submitted: one row per
+    check (name, ok / warn / FAIL, what was found, the fix), exit 0 when none fails; otherwise the
+    table, one line on stderr naming the failing rows, exit 2.
+
+    kfp backend               the backend's version (healthz, else the ml-pipeline Deployment's image)
+                              against the oldest release the compiled pipeline runs on
+    pod security              the namespace's pod-security.kubernetes.io/enforce level admits the
+                              replica pods `render` builds (hostPath, capabilities, host network)
+    volcano                   the queue cluster.queue exists and is Open
+    gpu nodes                 enough nodes whose allocatable covers one replica's requests, on its
+                              node selector (the GPU product) and past its tolerations
+    store conditional writes  If-None-Match and If-Match behave on the bucket (the run lease needs them)
+    store capacity            free space for train.checkpoint_keep checkpoints + 1 and the model
+    image                     cluster.image's tag is this checkout's commit
+
+    `submit` and `upload` run every check but KFP's first (--skip-doctor skips them)."""
+    from pipelines.doctor import Unhealthy, failure_line, run_checks, table
+
+    cfg = compose(_overrides_only("doctor", args))
+    _refuse_local("doctor", cfg)
+    rows = run_checks(cfg)
+    print(table(rows))
+    if any(r.failed for r in rows):
+        raise Unhealthy(failure_line(rows))
+    return 0
+
+
+def _refuse_local(command: str, cfg) -> None:
+    scheduler = getattr(cfg.cluster.scheduler, "value", cfg.cluster.scheduler)
+    if scheduler != "kubernetes":
+        raise ConfigError(
+            f"{command} checks the cluster and store of a cluster run, and cluster.scheduler={scheduler} (this "
+            f"machine) has none: name a cluster preset (liftoff {command} experiment=h200-7b kfp.host=URL)"
+        )
+
+
+def _skip_doctor(args: list[str]) -> tuple[bool, list[str]]:
+    return "--skip-doctor" in args, [a for a in args if a != "--skip-doctor"]
+
+
 def cmd_upload(args: list[str]) -> int:
+    """Upload the pipeline to Kubeflow Pipelines: a new version named <commit>-<config hash>, a no-op
+    when it exists. The doctor's checks (but KFP's) run first; --skip-doctor skips them."""
     from pipelines.cluster import upload
 
+    skip, args = _skip_doctor(args)
     overrides = _overrides_only("upload", args)
-    print(upload(compose(overrides)))
+    print(upload(compose(overrides), skip_doctor=skip))
     return 0
 
 
 def cmd_submit(args: list[str]) -> int:
-    """Submit to Kubeflow Pipelines; `--wait` follows every run and exits 1 unless all succeed."""
-    from pipelines.cluster import run_url, submit, sweep_name, wait
+    """Submit to Kubeflow Pipelines; `--wait` follows every run and exits 1 unless all succeed.
+
+    Every job's config is checked before the first is sent; for a cluster config the doctor's
+    checks (but KFP's, which submit makes itself) run against the live cluster and store first.
+    --skip-doctor skips them, and the run's name then ends ` (doctor skipped)`."""
+    from pipelines.cluster import refuse_before_kfp, run_url, submit, sweep_name, wait
     from pipelines.local import expand_sweep
     from pipelines.sweep import submit_sweep, sweeper_of, without_hydra
 
     follow = "--wait" in args
+    skip, args = _skip_doctor(args)
     multi, args = _multirun([a for a in args if a != "--wait"])
     overrides = _overrides_only("submit", args)
     if multi and sweeper_of(overrides) != "basic":  # each trial submitted, waited for, scored from the store
-        return submit_sweep(overrides)
+        return submit_sweep(overrides, skip_doctor=skip)
     jobs = expand_sweep(without_hydra(overrides)) if multi else [overrides]
     configs = [compose(job) for job in jobs]
+    for cfg in configs:  # nothing is sent while one job would be refused
+        refuse_before_kfp(cfg, skip)
     experiment = configs[0].kfp.experiment or sweep_name(overrides)
     runs = []
     for job, cfg in zip(jobs, configs, strict=True):
-        run_id = submit(cfg, job, experiment)
+        run_id = submit(cfg, job, experiment, skip_doctor=skip, checked=True)
         runs.append((cfg, run_id))
         print(
             f"submitted run {run_id} ({' '.join(job) or 'defaults'}) to experiment {experiment}: {run_url(cfg, run_id)}"

@@ -411,10 +411,11 @@ def run_sweep(overrides: list[str], verbose: bool) -> int:
     return _reported(sweep, overrides, trials, best, direction, table)
 
 
-def submit_sweep(overrides: list[str]) -> int:
+def submit_sweep(overrides: list[str], skip_doctor: bool = False) -> int:
     """A sweep Hydra's sweeper plugin drives, on Kubeflow Pipelines: each trial one run in the
     sweep's experiment, followed to its end; its objective read from the eval artifact it put in
-    the store. A trial that does not succeed ends the sweep (one line, exit 2)."""
+    the store. A trial that does not succeed ends the sweep (one line, exit 2); each trial is
+    checked by the doctor before it is sent, unless skipped."""
     import time
 
     from components.store import open_store
@@ -427,7 +428,7 @@ def submit_sweep(overrides: list[str]) -> int:
         nonlocal experiment
         experiment = experiment or cfg.kfp.experiment or sweep_name(overrides)
         since = time.time()
-        run_id = submit(cfg, job, experiment)
+        run_id = submit(cfg, job, experiment, skip_doctor=skip_doctor)
         print(f"submitted run {run_id} ({' '.join(job)}) to experiment {experiment}: {run_url(cfg, run_id)}")
         state = wait(cfg, run_id, timeout_s=cfg.kfp.wait_timeout_s)
         if state != "SUCCEEDED":

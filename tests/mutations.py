@@ -496,6 +496,75 @@ MUTATIONS = [
         "if done := None:",
         ("tests/pipeline/test_local_run.py::test_run_end_to_end_traces_lineage_and_reuses_the_dataset",),
     ),
+    # issue 42, point 2: `liftoff doctor`, one mutation a row, and its place in submit
+    Mutation(
+        "doctor: kfp backend: the healthz's version never read (any backend passes)",
+        "pipelines/doctor.py",
+        "    version = _call(lambda: kfp_features.backend_version(kfp_client), t.cfg)\n",
+        '    version = "99.0.0"\n',
+        ("tests/pipeline/test_doctor.py::test_each_unhealthy_fact_alone_fails_its_row_in_one_line[kfp-backend]",),
+    ),
+    Mutation(
+        "doctor: pod security: the namespace's enforce label ignored (always privileged)",
+        "pipelines/doctor.py",
+        'enforced = labels.get(ENFORCE_LABEL, "privileged")',
+        'enforced = "privileged"',
+        ("tests/pipeline/test_doctor.py::test_each_unhealthy_fact_alone_fails_its_row_in_one_line[pod-security]",),
+    ),
+    Mutation(
+        "doctor: volcano: a queue that is not Open passes",
+        "pipelines/doctor.py",
+        'if state != "Open":',
+        "if False:",
+        ("tests/pipeline/test_doctor.py::test_each_unhealthy_fact_alone_fails_its_row_in_one_line[volcano]",),
+    ),
+    Mutation(
+        "doctor: gpu nodes: a node short of a resource still fits a replica",
+        "pipelines/doctor.py",
+        "        if have < amount:\n",
+        "        if have < 0:\n",
+        (
+            "tests/pipeline/test_doctor.py::test_each_unhealthy_fact_alone_fails_its_row_in_one_line[gpu-nodes]",
+            "tests/pipeline/test_doctor.py::test_the_gpu_nodes_row_names_why_each_node_does_not_fit",
+        ),
+    ),
+    Mutation(
+        "doctor: store conditional writes: a second If-None-Match create that succeeds goes unseen",
+        "components/store/probe.py",
+        "    if backend.put_bytes_if_absent(key, second):\n",
+        "    if False:\n",
+        (
+            "tests/pipeline/test_doctor.py::test_each_unhealthy_fact_alone_fails_its_row_in_one_line[store-conditional-writes]",
+        ),
+    ),
+    Mutation(
+        "doctor: store capacity: a local store's free space never compared",
+        "pipelines/doctor.py",
+        "        if free < planned:\n",
+        "        if False:\n",
+        ("tests/pipeline/test_doctor.py::test_each_unhealthy_fact_alone_fails_its_row_in_one_line[store-capacity]",),
+    ),
+    Mutation(
+        "doctor: image: a commit tag other than HEAD's passes",
+        "pipelines/doctor.py",
+        "    if not (head_commit.startswith(tag_commit) or tag_commit.startswith(head_commit)):\n",
+        "    if False:\n",
+        ("tests/pipeline/test_doctor.py::test_each_unhealthy_fact_alone_fails_its_row_in_one_line[image]",),
+    ),
+    Mutation(
+        "doctor: submit and upload no longer run the doctor first",
+        "pipelines/cluster.py",
+        'if not skip_doctor and getattr(cfg.cluster.scheduler, "value", cfg.cluster.scheduler) == "kubernetes":',
+        "if False:",
+        ("tests/pipeline/test_doctor.py::test_submit_and_upload_refuse_an_unhealthy_cluster_before_any_kfp_call",),
+    ),
+    Mutation(
+        "doctor: a run submitted with --skip-doctor is not named so",
+        "pipelines/cluster.py",
+        'suffix = DOCTOR_SKIPPED if skip_doctor else ""',
+        'suffix = ""',
+        ("tests/pipeline/test_doctor.py::test_skip_doctor_submits_and_the_run_name_says_so",),
+    ),
 ]
 
 

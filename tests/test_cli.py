@@ -36,6 +36,7 @@ def test_help_lists_every_command_on_one_line(capsys):
         "nodes",
         "compile",
         "render",
+        "doctor",
         "upload",
         "submit",
         "profile",

@@ -126,12 +126,38 @@ def test_a_model_that_cannot_fit(workdir):
 @pytest.mark.parametrize("command", ["upload", "submit"])
 def test_an_unreachable_kubeflow_pipelines_host(workdir, command):
     """Nothing listens on the port: kfp.Client's FutureWarning and urllib3's three `Retrying`
-    lines used to come before the error."""
+    lines used to come before the error. (No cluster: the doctor, which would refuse first, is skipped.)"""
     host = f"http://127.0.0.1:{free_port()}"
-    line = one_line(liftoff(workdir, command, f"kfp.host={host}", *CLUSTER, timeout=60))
+    line = one_line(liftoff(workdir, command, "--skip-doctor", f"kfp.host={host}", *CLUSTER, timeout=60))
     assert re.fullmatch(
         rf"liftoff {command}: Kubeflow Pipelines at {re.escape(host)}: MaxRetryError: .*Connection refused", line
     ), line
+
+
+def test_the_doctor_with_nothing_reachable(workdir, monkeypatch):
+    """No kubeconfig, nothing on the KFP and store ports: the table on stdout, every row that needs
+    an API failing and saying so, and one line on stderr (no traceback, no library's warning)."""
+    monkeypatch.setenv("KUBECONFIG", str(workdir.parent / "no-kubeconfig"))
+    host, store = f"http://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    args = [f"kfp.host={host}", f"store.endpoint={store}", "store.timeout_s=1", *CLUSTER]
+    proc = liftoff(workdir, "doctor", *args, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    line = proc.stderr.rstrip("\n")
+    assert line.startswith(f"liftoff doctor: kfp backend: Kubeflow Pipelines at {host}: MaxRetryError: "), line
+    for row in ("pod security", "volcano", "gpu nodes"):
+        assert f" | {row}: cannot reach the Kubernetes API: ConfigException: " in line, line
+    assert f" | store conditional writes: artifact store at {store} unreachable: " in line, line
+    table = proc.stdout.splitlines()
+    assert table[0].split() == ["check", "status", "found", "fix"] and len(table) == 8, proc.stdout
+    assert [r.split("  ")[0] for r in table[1:]] == [
+        "kfp backend",
+        "pod security",
+        "volcano",
+        "gpu nodes",
+        "store conditional writes",
+        "store capacity",
+        "image",
+    ]
 
 
 def test_render_with_the_default_config(workdir):

@@ -205,7 +205,11 @@ class MinioBackend:
         current = self._read_tagged(key)
         if current is None or current[0] != expected:
             return False
-        return self._conditional_put(key, data, {"If-Match": current[1]})
+        return self.put_bytes_if_etag(key, data, current[1])
+
+    def put_bytes_if_etag(self, key: str, data: bytes, etag: str) -> bool:
+        """Write key only when its ETag is `etag` now (`If-Match`); False when it is not."""
+        return self._conditional_put(key, data, {"If-Match": etag})
 
     def digest(self, key: str, chunk: int = 1 << 20) -> tuple[str, int]:
         """(sha256 hex, size) of an object, streamed: nothing is copied or kept. A transient

@@ -13,7 +13,12 @@ warning event carrying that message (as Volcano's gang plugin and job controller
 
 For ownership: jobs are listed by their `labelSelector` (equality terms), every created job's
 name is kept in `created`, and `pods` are the pods besides the replicas' (a driver pod: name
--> {"uid", "phase"}, or None for one that no longer exists: 404)."""
+-> {"uid", "phase"}, or None for one that no longer exists: 404).
+
+For `liftoff doctor`, the cluster's facts: `namespaces` (name -> its labels; one not named is
+404), `nodes` (the node list, `gpu_node` makes one; a node not listed still answers a get by
+name, as the quarantine tests need), Volcano `queues` (name -> status.state, cluster-scoped)
+and `deployments` ((namespace, name) -> the image of its one container)."""
 
 from __future__ import annotations
 
@@ -43,6 +48,10 @@ class FakeK8s:
         replica_logs: dict[int, list[str]] | None = None,
         pods: dict[str, dict | None] | None = None,
         unschedulable: str | None = None,
+        namespaces: dict[str, dict[str, str]] | None = None,
+        nodes: list[dict] | None = None,
+        queues: dict[str, str] | None = None,
+        deployments: dict[tuple[str, str], str] | None = None,
     ):
         self.calls: list[tuple[str, str, str]] = []  # (group, resource[/sub], verb)
         self.jobs: dict[str, dict] = {name: {"metadata": {"name": name}} for name in earlier_jobs}
@@ -58,6 +67,10 @@ class FakeK8s:
         self.fail_replica = fail_replica
         self.on_status_read = on_status_read
         self.unschedulable = unschedulable  # every job stays Pending; its PodGroup says this
+        self.namespaces = dict(namespaces or {})
+        self.nodes = list(nodes or [])
+        self.queues = dict(queues or {})
+        self.deployments = dict(deployments or {})
         self.lock = threading.Lock()
         fake = self
 
@@ -130,8 +143,29 @@ class FakeK8s:
             ]
             return 200, {"items": items if self.unschedulable else []}, None
         if resource == "nodes":
-            return 200, {"metadata": {"name": name, "labels": {}}, "spec": {}}, None
-        return 404, {"kind": "Status", "code": 404}, None
+            if name is None:
+                return 200, {"kind": "NodeList", "metadata": {}, "items": self.nodes}, None
+            listed = next((n for n in self.nodes if n["metadata"]["name"] == name), None)
+            return 200, listed or {"metadata": {"name": name, "labels": {}}, "spec": {}}, None
+        return self._cluster_facts(resource, m.group("ns"), name)
+
+    def _cluster_facts(self, resource: str, ns: str | None, name: str | None):
+        """Namespaces, Volcano queues and Deployments: what `liftoff doctor` reads."""
+        missing = 404, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404}, None
+        if resource == "namespaces" and name in self.namespaces:
+            return (
+                200,
+                {"metadata": {"name": name, "labels": self.namespaces[name]}, "status": {"phase": "Active"}},
+                None,
+            )
+        if resource == "queues" and name in self.queues:
+            queue = {"apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "Queue", "metadata": {"name": name}}
+            return 200, {**queue, "spec": {"weight": 1}, "status": {"state": self.queues[name]}}, None
+        if resource == "deployments" and (ns, name) in self.deployments:
+            container = {"name": name, "image": self.deployments[(ns, name)]}
+            spec = {"selector": {"matchLabels": {"app": name}}, "template": {"spec": {"containers": [container]}}}
+            return 200, {"metadata": {"name": name, "namespace": ns}, "spec": spec}, None
+        return missing
 
     def _log(self, pod: str):
         replica = int(pod.rsplit("-", 2)[1])  # TorchX names a replica's pod <job>-<role>-<k>-0
@@ -222,6 +256,28 @@ class FakeK8s:
     def __exit__(self, *exc):
         self.server.shutdown()
         self.server.server_close()
+
+
+def gpu_node(
+    name: str,
+    cpu: str = "128",
+    memory: str = "1000Gi",
+    gpus: int = 8,
+    product: str = "NVIDIA-H200",
+    ephemeral: str = "1Ti",
+    taints: list[dict] = (),
+    **extra: str,
+) -> dict:
+    """A node as the API server lists it: allocatable resources, the GPU operator's product label,
+    the GPU taint the replicas tolerate, and `extra` allocatable ({"rdma/ib": "8"} as rdma__ib="8")."""
+    allocatable = {"cpu": cpu, "memory": memory, "ephemeral-storage": ephemeral, "pods": "110"}
+    allocatable |= {"nvidia.com/gpu": str(gpus)} if gpus else {}
+    allocatable |= {k.replace("__", "/"): v for k, v in extra.items()}
+    return {
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "nvidia.com/gpu.product": product}},
+        "spec": {"taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}, *taints]},
+        "status": {"allocatable": allocatable, "capacity": allocatable},
+    }
 
 
 def train_launch_on(cluster, tmp_path):
