@@ -23,9 +23,9 @@ from pipelines.cli import main
 from pipelines.cluster import DOCTOR_SKIPPED, short_commit
 from pipelines.pod_security import ENFORCE_LABEL
 from tests.conftest import store_config
+from tests.helpers import CLUSTER
 from tests.pipeline.fake_k8s import FakeK8s, gpu_node
 from tests.pipeline.fake_kfp import FakeKfp
-from tests.pipeline.test_cluster import CLUSTER
 from tests.store_objects import object_versions
 
 ROWS = ["kfp backend", "pod security", "volcano", "gpu nodes", "store conditional writes", "store capacity", "image"]
