@@ -99,7 +99,7 @@ def data_fit_refusal(data, train, cluster, root: Path) -> str | None:
     size = source_bytes(list(data.paths), root)
     if size is None:
         return None
-    from components.train.prelaunch import blocks_per_step
+    from components.prelaunch import blocks_per_step
 
     world, per_step = blocks_per_step(train, cluster)
     block = data.seq_len + 1

@@ -75,7 +75,9 @@ def build_pipeline(cfg: Any):
         )
         dataset = merged.outputs["dataset"]
         checked = on_cluster(
-            preflight_op(dataset=dataset, model=model, train=train, cluster=cluster, preflight=preflight, store=store),
+            preflight_op(
+                dataset=dataset, data=data, model=model, train=train, cluster=cluster, preflight=preflight, store=store
+            ),
             cfg,
             retry=False,
         )

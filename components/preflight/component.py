@@ -9,6 +9,7 @@ from components import STAGE_IMAGE
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
 def preflight(
     dataset: Input[Dataset],
+    data: dict,
     model: dict,
     train: dict,
     cluster: dict,
@@ -18,19 +19,29 @@ def preflight(
     report: Output[Markdown],
     verdict: Output[Artifact],
 ) -> None:
-    """Fails the run when too few nodes are healthy or the plan does not fit; else writes the
-    verdict (healthy and excluded nodes) that train takes as its input."""
+    """Fails the run when the inputs cannot train (components/prelaunch.py), too few nodes are
+    healthy or the plan does not fit; else writes the verdict (healthy and excluded nodes) that
+    train takes as its input."""
     import json
     from pathlib import Path
 
     from components import summaries
     from components.identity import trained_to_the_end
     from components.preflight.stage import gate, run_preflight, summary
+    from components.prelaunch import check_inputs
+    from components.store import Ref
     from components.task import input_ref, stage_task
 
-    with stage_task("preflight", model=model, train=train, preflight=preflight, cluster=cluster, store=store) as t:
+    with stage_task(
+        "preflight", data=data, model=model, train=train, preflight=preflight, cluster=cluster, store=store
+    ) as t:
         g, cfg = t.groups, t.groups["preflight"]
         ref = input_ref(dataset)
+        # what would fail training (the data's fit, the vocabulary, the resume seed) fails here, in
+        # the task KFP never retries, not in train's (retried: an evicted driver is not a bad config)
+        check_inputs(
+            t.store.manifest(Ref.parse(ref)), g["model"], g["train"], g["cluster"], t.store, g["data"].cache_gb
+        )
         if done := trained_to_the_end(ref, g["model"], g["train"], t.store):  # a resume with no step left
             why = f"{done} is at train.steps={g['train'].steps}: the resumed run trains no step"
             Path(report.path).write_text(f"# Preflight\n\nskipped: {why}\n")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from components.prelaunch import DataFitError
 from components.stream import StreamingBlocks
-from components.train.prelaunch import DataFitError
 
 
 class BlockSampler:

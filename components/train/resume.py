@@ -28,8 +28,8 @@ import torch.distributed as dist
 from components import checkpoint_format as ckpt
 from components.checkpoint_fetch import Ranges, fetch_for_node, fetch_head, step_of_manifest
 from components.config import ModelConfig
+from components.prelaunch import ResumeError, check_shape
 from components.store import ArtifactStore, IntegrityError, Manifest, NotFound, Ref, StoreError
-from components.train.prelaunch import ResumeError, check_shape
 
 log = logging.getLogger(__name__)
 

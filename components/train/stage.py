@@ -17,9 +17,9 @@ from components import fleet
 from components.config import ClusterConfig, ModelConfig, Scheduler, TrainConfig
 from components.identity import training_identity
 from components.launcher import Launch, replica_store, run_app
+from components.prelaunch import check_inputs
 from components.store import ArtifactStore, Manifest, Ref
 from components.store.lease import Lease, default_holder
-from components.train.prelaunch import check_inputs
 from components.train.spec import TrainSpec, WorkerResult
 
 log = logging.getLogger(__name__)

@@ -242,6 +242,19 @@ def test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds(in_tmp,
     assert re.search(reused, capfd.readouterr().out, re.M)
 
 
+def test_data_that_cannot_fill_a_step_fails_in_preflight_which_kfp_never_retries(in_tmp, capfd):
+    """Issue 42, acceptance 9: a deterministic failure (the data's fit) fails in the preflight
+    task, which is compiled without a retry policy (test_cluster.py holds the IR to that), before
+    it benchmarks anything; train, which KFP retries, never starts."""
+    assert main(["run", *FAST, "train.micro_batch_size=4096"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stage preflight failed: DataFitError: " in err[0], err
+    assert "= 8192 blocks per step, but the train split has only 3189 blocks" in err[0], err[0]
+    ran = executed(run_logs(in_tmp / "runs"))
+    assert "preflight" in ran and "train" not in ran, ran
+    assert not (in_tmp / "runs" / "preflight").exists()  # no benchmark job was launched
+
+
 @pytest.mark.parametrize(
     ("overrides", "nearest"),
     [

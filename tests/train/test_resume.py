@@ -98,7 +98,7 @@ def test_a_corrupted_stored_checkpoint_is_quarantined_and_the_rerun_heals_it(tra
         assert not trainer.store.verify(Ref.parse(refs)), refs
     verdict = run_validate(str(again.model.ref), defaults("eval"), trainer.store)
     assert verdict.passed
-    from components.train.prelaunch import ResumeError
+    from components.prelaunch import ResumeError
 
     with pytest.raises(ResumeError, match=f"{newest.ref} is quarantined: .*__0_0.distcp"):
         trainer.run(*SHORT[1:], "train.steps=30", f"train.resume={newest.ref.version}")
