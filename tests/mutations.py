@@ -570,7 +570,9 @@ MUTATIONS = [
         "components/preflight/component.py",
         "        check_inputs(",
         "        (lambda *a: None)(",
-        ("tests/pipeline/test_local_run.py::test_data_that_cannot_fill_a_step_fails_in_preflight_which_kfp_never_retries",),
+        (
+            "tests/pipeline/test_local_run.py::test_data_that_cannot_fill_a_step_fails_in_preflight_which_kfp_never_retries",
+        ),
     ),
 ]
 
