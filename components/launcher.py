@@ -334,12 +334,14 @@ def _follow(runner, handle: str, launch: Launch, role: str, tail_lines: int = 40
     return status, tails, failures
 
 
-def _wait(runner, handle: str, launch: Launch, interval: float = 1.0):
+def _wait(runner, handle: str, launch: Launch, interval: float | None = None):
     """runner.wait, with a bound on how long the job may stay unscheduled: a gang that does not
     fit (its nodes excluded, a resource no node has) would otherwise pend forever. After
     `cluster.pending_timeout_s` in PENDING the attempt fails naming why Volcano holds it."""
     from torchx.specs import AppState
 
+    if interval is None:  # locally a status read is a process poll; on a cluster an API call
+        interval = 0.2 if launch.cluster.scheduler == Scheduler.local_cwd else 1.0
     since = time.monotonic()
     while True:
         status = runner.status(handle)

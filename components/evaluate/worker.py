@@ -8,7 +8,6 @@ model's metrics and samples (the model, then eval.baseline) through the store.""
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import numpy as np
@@ -23,6 +22,7 @@ from components.evaluate.stage import UNIGRAM_CACHE_GB
 from components.sharded_model import ShardedLoadFailed, config_path, load_sharded, my_batches, run_replica, summed
 from components.store import ArtifactStore, Ref
 from components.stream import open_split
+from components.worker_side import exit_now
 
 
 def sharded_perplexity(model, blocks, cfg, byte_lengths: np.ndarray, device) -> dict[str, float]:
@@ -102,4 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

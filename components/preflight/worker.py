@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from components.preflight import bench, numerics
 from components.preflight.spec import PreflightSpec
 from components.store import Ref, open_store
 from components.stream import shard_table
-from components.worker_side import PLUGIN_ENV, worker_spec
+from components.worker_side import PLUGIN_ENV, exit_now, worker_spec
 
 READ_CHUNK = 1 << 20  # the probe reads as a shard fetch streams: in ranged chunks
 
@@ -99,4 +98,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

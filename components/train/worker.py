@@ -13,7 +13,6 @@ import importlib
 import logging
 import math
 import os
-import sys
 import time
 
 import torch
@@ -36,7 +35,7 @@ from components.train.profiler import Profiler
 from components.train.resume import Resumed, find_resume_checkpoint
 from components.train.rollback import quarantine_rank, restore_state, roll_back
 from components.train.spec import TrainSpec
-from components.worker_side import PLUGIN_ENV, worker_spec
+from components.worker_side import PLUGIN_ENV, exit_now, worker_spec
 
 log = logging.getLogger("liftoff.train")
 
@@ -336,4 +335,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from components.sharded_model import (
 from components.store import ArtifactStore, Manifest, Ref
 from components.stream import open_split
 from components.validate.checks import ValidationFailed, Verdict, fetch_verified_export, losses_hold, weights_agree
+from components.worker_side import exit_now
 
 
 def fetch_export(store: ArtifactStore, model: Manifest) -> Path:
@@ -156,4 +156,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
