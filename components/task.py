@@ -39,6 +39,54 @@ def input_ref(artifact) -> str:
     return json.loads(Path(artifact.path).read_text())["ref"]
 
 
+def executor_output_file() -> str | None:
+    """The file KFP's executor writes the task's outputs to (its `--executor_input`); None
+    outside a KFP executor."""
+    import json
+    import sys
+
+    argv = sys.argv
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--executor_input":
+            try:
+                return json.loads(argv[i + 1])["outputs"]["outputFile"]
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+def exit_once_written() -> None:
+    """After a task's work succeeded: once KFP's executor has written its outputs and returns,
+    its process ends without the interpreter's teardown (unloading torch and transformers takes
+    about 1.5 s of every task's process). Only then: an exception after this point (the
+    executor's own) goes through sys.excepthook and the process exits as usual, non-zero."""
+    import atexit
+    import os
+    import sys
+    from pathlib import Path
+
+    output = executor_output_file()
+    if output is None:
+        return
+    raised: list[bool] = []
+    previous = sys.excepthook
+
+    def hook(*exc) -> None:
+        raised.append(True)
+        previous(*exc)
+
+    def done() -> None:  # the last atexit handler registered: the first to run
+        if not raised and Path(output).is_file():
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(0)
+
+    sys.excepthook = hook
+    atexit.register(done)
+
+
 @contextlib.contextmanager
 def stage_task(name: str, directory: str | None = None, **groups: dict) -> Iterator[Task]:
     """`name`: the stage as benchmarks count it; `directory`: its task directory (a shard's own)."""
@@ -54,3 +102,4 @@ def stage_task(name: str, directory: str | None = None, **groups: dict) -> Itera
         events.emit("failed", stage=name, **events.failure_fields(e))
         raise
     events.emit("compute", stage=name, seconds=round(time.perf_counter() - started, 3))
+    exit_once_written()
