@@ -574,6 +574,20 @@ MUTATIONS = [
             "tests/pipeline/test_local_run.py::test_data_that_cannot_fill_a_step_fails_in_preflight_which_kfp_never_retries",
         ),
     ),
+    Mutation(
+        "task exit: the teardown skipped even when the executor raised after the task",
+        "components/task.py",
+        "if not raised and Path(output).is_file():",
+        "if Path(output).is_file():",
+        ("tests/test_task_exit.py",),
+    ),
+    Mutation(
+        "task exit: the teardown skipped before the outputs are written",
+        "components/task.py",
+        "if not raised and Path(output).is_file():",
+        "if not raised:",
+        ("tests/test_task_exit.py",),
+    ),
 ]
 
 
