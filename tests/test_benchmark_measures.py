@@ -23,7 +23,7 @@ def printed_stage_names() -> list[str]:
     the source spells them."""
     names = []
     for path in sorted((ROOT / "components").glob("*/component.py")):
-        names += re.findall(r'with stage_task\("([^"]+)"', path.read_text())
+        names += re.findall(r'with stage_task\(\s*"([^"]+)"', path.read_text())
     return names
 
 

@@ -1,5 +1,6 @@
-"""A KFP task's process ends without the interpreter's teardown only once its outputs are written
-and nothing raised (components/task.py `exit_once_written`): a failure keeps its exit code."""
+"""A KFP task's process ends without the interpreter's module teardown only once its outputs are
+written and nothing raised (components/task.py `exit_once_written`): a failure keeps its exit code,
+and the exit handlers run in every case."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ SCRIPT = """
 import atexit, json, sys
 from pathlib import Path
 from components.task import exit_once_written
-atexit.register(lambda: Path(sys.argv[3]).write_text("teardown ran"))  # an earlier handler: skipped or not
+atexit.register(lambda: Path(sys.argv[3] + ".handler").write_text("ran"))  # an exit handler: always runs
+
+
+class Finalized:  # finalized with the module's globals: only in the interpreter's own teardown
+    def __del__(self, open=open, path=sys.argv[3]):
+        open(path, "w").write("teardown ran")
+
+
+kept = Finalized()
 exit_once_written()
 if sys.argv[4] in ("written", "raises"):
     Path(json.loads(sys.argv[2])["outputs"]["outputFile"]).write_text("{}")
@@ -38,4 +47,5 @@ def test_a_task_skips_the_teardown_only_when_its_outputs_are_written_and_nothing
     # argv[1:] of `-c` is the rest: --executor_input, its JSON, the marker, the case
     assert proc.returncode == code, proc.stderr
     assert marker.exists() is teardown, (case, proc.stderr)
+    assert (tmp_path / "teardown.handler").read_text() == "ran"  # exit handlers run either way
     assert ("the executor failed after the task" in proc.stderr) is (case == "raises")
