@@ -120,10 +120,14 @@ def optuna_study(overrides: list[str]) -> list[str]:
         raise SweepDone(f"study {name} in {storage} has its {done} trial(s): raise hydra.sweeper.n_trials to go on")
     if done:
         print(f"resuming Optuna study {name}: {done} of {wanted} trial(s) done ({storage})", flush=True)
-    kept = [o for o in overrides if not o.startswith(("hydra.sweeper.storage=", "hydra.sweeper.study_name=",
-                                                     "hydra.sweeper.n_trials="))]  # fmt: skip
+    seed = _given(overrides, "hydra.sweeper.sampler.seed")
+    reseeded = [f"hydra.sweeper.sampler.seed={int(seed) + done}"] if seed is not None and done else []
+    # (a resumed sampler seeded as the first draws the first's points again: on by the trials done)
+    replaced = ("hydra.sweeper.storage=", "hydra.sweeper.study_name=", "hydra.sweeper.n_trials=")
+    replaced += ("hydra.sweeper.sampler.seed=",) if reseeded else ()
+    kept = [o for o in overrides if not o.startswith(replaced)]
     return [*kept, f"hydra.sweeper.storage={storage}", f"hydra.sweeper.study_name={name}",
-            f"hydra.sweeper.n_trials={wanted - done}"]  # fmt: skip
+            f"hydra.sweeper.n_trials={wanted - done}", *reseeded]  # fmt: skip
 
 
 class SweepDone(ConfigError):

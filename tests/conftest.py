@@ -170,12 +170,19 @@ class Trainer:
         base = [f"data.paths=[{CORPUS}]", f"train.run_dir={self.tmp / 'runs'}", "train.log_interval=1", *self.FAST]
         return OmegaConf.to_object(compose([*base, *overrides]))
 
-    def run(self, *overrides: str):
+    def run(self, *overrides: str, **kw):
         from components.train.stage import run_train
 
         cfg = self.config(*overrides)
         result = run_train(
-            self.dataset, cfg.model, cfg.train, cfg.cluster, self.store_cfg, self.store, cache_gb=cfg.data.cache_gb
+            self.dataset,
+            cfg.model,
+            cfg.train,
+            cfg.cluster,
+            self.store_cfg,
+            self.store,
+            cache_gb=cfg.data.cache_gb,
+            **kw,
         )
         result.export = self.store.fetch(result.model)  # the model as the store hands it back
         return result

@@ -588,6 +588,36 @@ MUTATIONS = [
         "if not raised:",
         ("tests/test_task_exit.py",),
     ),
+    Mutation(
+        "train: a launch told preflight was skipped trains the steps a damaged final checkpoint leaves",
+        "components/train/worker.py",
+        "    if job.spec.trains_no_step and (found is None or found.step < job.train.steps):",
+        "    if False:",
+        ("tests/train/test_resume.py::test_a_corrupted_stored_checkpoint_is_quarantined_and_the_rerun_heals_it",),
+    ),
+    Mutation(
+        "preflight: NCCL's environment and the fabric out of the fleet key (TCP numbers reused after a fix)",
+        "components/preflight/stage.py",
+        '        "fabric": [cluster.env,',
+        '        "fabric": [None,',
+        (
+            "tests/preflight/test_preflight.py::test_the_fleet_key_changes_with_what_is_measured_and_not_with_how_it_is_judged",
+        ),
+    ),
+    Mutation(
+        "train: the nodes left out no longer said in the train line",
+        "components/train/component.py",
+        'left_out = verdict.get("left_out", {})',
+        "left_out = {}",
+        ("tests/pipeline/test_local_run.py::test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds",),
+    ),
+    Mutation(
+        "sweep: a resumed Optuna study's sampler seeded as the first (it draws the first's points again)",
+        "pipelines/sweep.py",
+        'reseeded = [f"hydra.sweeper.sampler.seed={int(seed) + done}"] if seed is not None and done else []',
+        "reseeded = []",
+        ("tests/pipeline/test_sweep_objective.py",),
+    ),
 ]
 
 

@@ -206,7 +206,15 @@ def fleet_name(dataset: str | None, train: TrainConfig, cluster: ClusterConfig, 
     key = {
         "cluster": [cluster.scheduler.value, cluster.nodes, cluster.procs_per_node, cluster.spare_nodes],
         "held_out": sorted(held_out),
-        "device": [cluster.gpu_type, cluster.gpu, cluster.image],
+        "device": [cluster.gpu_type, cluster.gpu, cluster.image, cluster.node_selector],
+        # what the fabric measures: NCCL's environment, the network, the RDMA devices and the mounts
+        "fabric": [
+            cluster.env,
+            cluster.host_network,
+            cluster.extra_resources,
+            cluster.capabilities,
+            cluster.pod_annotations,
+        ],  # fmt: skip
         "measuring": {k: v for k, v in as_plain_dict(cfg).items() if k in MEASURING},
         "dtype": recipe(train.precision).compute_dtype,
         "dataset": dataset,
@@ -310,11 +318,16 @@ def run_preflight(
     result = PreflightResult(nodes, verdicts, step_plan, device_gb, time.perf_counter() - t0, published.ref)
     result.quarantined = {n: r.reason for n, r in held_out.items()}
     result.reused_min, result.report_version = (found[2] if found else None), spec.run_id
-    if found is not None:  # judged when measured: its findings are recorded (else its node set would differ)
+    record_unhealthy(store, verdicts, cluster.quarantine_ttl_h)  # as judged now, reused numbers or not
+    if found is not None:
         result.problems = gate_problems(result, cfg)
+        if result.problems:  # say so: new numbers may pass (a store blip, a busy machine)
+            age = f"{found[2]:.0f} min old"
+            result.problems.append(
+                f"measurements {published.ref} reused ({age}); preflight.max_age_min=0 measures again"
+            )
         result.report_path = publish_report(result, cfg, store)
         return result
-    record_unhealthy(store, verdicts, cluster.quarantine_ttl_h)
     if cfg.quarantine and cluster.scheduler == Scheduler.kubernetes and result.unhealthy:
         from components.preflight.quarantine import quarantine_nodes
 

@@ -40,6 +40,7 @@ def train(
             task.store,
             exclude_nodes=verdict.get("excluded_hosts", []),
             cache_gb=g["data"].cache_gb,
+            trains_no_step=bool(verdict.get("skipped")),  # preflight measured nothing: no step may train
         )
         ref = str(result.model.ref)
         Path(trained_model.path).write_text(json.dumps({"ref": ref, **result.result.to_json()}, indent=2))

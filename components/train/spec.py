@@ -23,6 +23,7 @@ class TrainSpec(WorkerSpec):
     checkpoint_dir: str  # likewise; each node keeps its own checkpoints under it
     nodes_share_host: bool = False  # local_cwd: every "node" on this host (metrics ports differ per node)
     quarantine_ttl_s: float = 0.0  # a straggler's node is quarantined this long (cluster.quarantine_ttl_h; 0: not)
+    trains_no_step: bool = False  # preflight skipped (the store held it at train.steps): only re-export
 
 
 @dataclass(frozen=True)

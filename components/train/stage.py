@@ -65,6 +65,7 @@ def train_launch(
     exclude_nodes=(),
     *,
     cache_gb: float,
+    trains_no_step: bool = False,
 ) -> tuple[str, Path, Launch]:
     """(training identity, run directory, the TorchX job that trains it)."""
     identity = training_identity(dataset, model, train)
@@ -84,6 +85,7 @@ def train_launch(
         checkpoint_dir=str(ckpt_dir / identity),
         nodes_share_host=cluster.scheduler == Scheduler.local_cwd,
         quarantine_ttl_s=cluster.quarantine_ttl_h * 3600,
+        trains_no_step=trains_no_step,
     )
     name = f"train-{identity[:8]}"
     launch = Launch("components.train.worker", spec, cluster, name, run_dir / "logs", run_dir / "nodes", exclude_nodes)
@@ -115,12 +117,20 @@ def run_train(
     exclude_nodes: list[str] | tuple[str, ...] = (),
     *,
     cache_gb: float,
+    trains_no_step: bool = False,
 ) -> TrainResult:
     """Train on the cluster's nodes except `exclude_nodes` (preflight's verdict)."""
     data_manifest = store.resolve(*_kind_name_version(dataset))
     check_inputs(data_manifest, model, train, cluster, store, cache_gb)
     identity, run_dir, launch = train_launch(
-        str(data_manifest.ref), model, train, cluster, store_cfg, exclude_nodes, cache_gb=cache_gb
+        str(data_manifest.ref),
+        model,
+        train,
+        cluster,
+        store_cfg,
+        exclude_nodes,
+        cache_gb=cache_gb,
+        trains_no_step=trains_no_step,
     )
     log.info("training identity %s: run directory %s", identity, run_dir)
     launch.quarantined = lambda: fleet.quarantined(store)  # each attempt keeps off the nodes quarantined by then

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from components import events
 from components.config import Guard, as_plain_dict, drop_none
+from components.prelaunch import ResumeError
 from components.train import checkpoint as ckpt
 from components.train import sdc
 from components.train.guards import GuardHalt, add_window, past_skipped
@@ -46,6 +47,12 @@ def resume(job: Job, state: TrainState) -> Resumed | None:
     found = find_resume_checkpoint(
         job.train.resume, job.ckpt_root, job.store, job.model_cfg, job.identity, job.rank, job.train.steps, reads
     )
+    if job.spec.trains_no_step and (found is None or found.step < job.train.steps):
+        now = f"the newest that verifies is {found.ref} at step {found.step}" if found else "none verifies"
+        raise ResumeError(
+            f"preflight was skipped: the store held this training at train.steps={job.train.steps}, but {now}; "
+            "rerun: preflight then measures the fleet before any step trains"
+        )
     if found is None:
         return None
     loaded = ckpt.load(found.path, job.model, job.optimizer, job.rank)

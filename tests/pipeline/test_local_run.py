@@ -212,7 +212,9 @@ def test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds(in_tmp,
     shard with its dependants (the dataset, the checkpoints, the model): each rerun of the same
     config tokenizes the lost shard again and trains end to end, the dataset version unchanged."""
     import shutil
+    import socket
 
+    from components import fleet
     from components.config import defaults
     from components.store import open_store
 
@@ -222,7 +224,14 @@ def test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds(in_tmp,
     assert main(["run", *FAST]) == 0
     (dataset,) = [str(m.ref) for m in store().ls("dataset")]
     shutil.rmtree(in_tmp / "artifacts")  # kfp.local's cache under local_outputs/ is kept
+    node1 = f"{socket.gethostname()}-node1"  # a finding against node 1 before the rerun: it is left out
+    fleet.quarantine(store(), node1, "test", "a finding of the operator's", 3600.0)
+    capfd.readouterr()
     assert main(["run", *FAST]) == 0
+    said = capfd.readouterr().out  # the train line names the nodes it trained on and the one left out
+    assert re.search(
+        rf"; on \S+-node0, \S+-node2; left out {node1}: quarantined: a finding of the operator's$", said, re.M
+    )
     assert [str(m.ref) for m in store().ls("dataset")] == [dataset] and len(list(store().ls("model"))) == 1
     (shard,) = [str(m.ref) for m in store().ls("shard")]
     assert main(["artifacts", "rm", shard, "--with-dependants"]) == 0

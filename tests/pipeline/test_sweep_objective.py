@@ -75,6 +75,7 @@ def test_an_optuna_sweep_stopped_after_two_trials_runs_only_the_third_when_run_a
     resumed = True
     trials, best, _ = hydra_sweep(sweep, tmp_path / "multirun" / "b", run_trial)
     assert len(trials) == 1 and len(ran) == 3  # the one trial the study lacked
+    assert len(set(ran)) == 3, ran  # a new point, not the seeded sampler's first one again
     (study,) = optuna.get_all_study_summaries(f"sqlite:///{STUDIES.resolve()}")
     complete = [t for t in optuna.load_study(study_name=study.study_name, storage=f"sqlite:///{STUDIES.resolve()}")
                 .get_trials() if t.state == optuna.trial.TrialState.COMPLETE]  # fmt: skip

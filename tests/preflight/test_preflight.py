@@ -315,3 +315,51 @@ def test_a_device_one_ulp_off_in_gemm_is_named_by_the_numerics_battery(monkeypat
     peers = [node(healthy), node(perturbed), node(healthy)]
     assert numerics.problems(peers, None) == {1: ["numerics: gemm in float32 differs bitwise from the other "
                                                    f"{kind} devices"]}  # fmt: skip
+
+
+def test_the_fleet_key_changes_with_what_is_measured_and_not_with_how_it_is_judged():
+    """Issue 43, point 1: measurements are reused under `fleet_name` only. Anything that changes
+    what a node measures (the node set, held-out nodes, processes, precision, the benchmark sizes,
+    the dataset, NCCL's environment) names another fleet; how the numbers are judged does not."""
+    from omegaconf import OmegaConf
+
+    from components.config import compose
+    from components.preflight.stage import fleet_name
+
+    def name(*overrides: str, held_out=(), dataset: str = "dataset/kjv@a") -> str:
+        cfg = OmegaConf.to_object(compose(list(overrides)))
+        return fleet_name(dataset, cfg.train, cfg.cluster, cfg.preflight, held_out)
+
+    base = name()
+    measured = [
+        name("cluster.nodes=3"),
+        name("cluster.procs_per_node=2"),
+        name(held_out={"vm-node1": "quarantined"}),
+        name("train.precision=bf16"),
+        name("preflight.gemm_size=256"),
+        name("preflight.numerics_s=0"),
+        name(dataset="dataset/kjv@b"),
+        name("+cluster.env={NCCL_IB_HCA:mlx5}"),
+    ]
+    assert base not in measured and len(set(measured)) == len(measured), measured
+    judged = ["preflight.zscore_threshold=3", "+preflight.floors={membw_gbps:1}", "preflight.min_healthy_nodes=1",
+              "preflight.max_age_min=5", "preflight.outliers=quarantine", "train.lr=1e-4"]  # fmt: skip
+    assert {name(o) for o in judged} == {base}
+
+
+def test_only_young_whole_measurements_are_reused(tmp_path):
+    import json
+
+    from components.preflight.stage import reusable_measurements
+    from components.store import open_store
+
+    store = open_store(defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "cache")))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "nodes.json").write_text(json.dumps([node(0), node(1)]))
+    published = store.publish("preflight", "local_cwd-2n-abc", "20261207T000000-aaaa", tmp_path / "m")
+    found = reusable_measurements(store, "local_cwd-2n-abc", 60.0, processes=2)
+    assert found is not None and found[0].ref == published.ref and [n["rank"] for n in found[1]] == [0, 1]
+    assert reusable_measurements(store, "local_cwd-2n-abc", 0.0, processes=2) is None  # max_age_min=0
+    assert reusable_measurements(store, "local_cwd-2n-abc", 1e-9, processes=2) is None  # older than allowed
+    assert reusable_measurements(store, "local_cwd-2n-abc", 60.0, processes=3) is None  # not one per process
+    assert reusable_measurements(store, "local_cwd-2n-other", 60.0, processes=2) is None  # another fleet

@@ -75,18 +75,29 @@ def test_the_node_copy_is_a_cache_of_the_store(trainer):
 
 
 def test_a_corrupted_stored_checkpoint_is_quarantined_and_the_rerun_heals_it(trainer):
-    """Truncate one shard of the newest stored checkpoint, wipe the node disks: the rerun
-    resumes from the older step, quarantines the damaged version, trains the same weights and
+    """Flip one bit of one shard of the newest stored checkpoint (its size kept), wipe the node
+    disks: a launch told preflight was skipped (the store looked finished) refuses to train; the
+    rerun resumes from the older step, quarantines the damaged version, trains the same weights and
     publishes the checkpoint again with good bytes; the model's lineage verifies and validate passes."""
+    from components.identity import trained_to_the_end
+    from components.launcher import LaunchError
     from components.validate.stage import run_validate
 
     first = trainer.run(*SHORT)
     newest = stored_steps(trainer, first.identity)[20]
     object_file = trainer.tmp / "store" / "checkpoint" / "tiny" / newest.ref.version / "__0_0.distcp"
-    object_file.write_bytes(object_file.read_bytes()[:100])
+    flipped = bytearray(object_file.read_bytes())
+    flipped[-1] ^= 0x01  # one bit, the size kept: preflight's look (sizes, no bytes) sees it whole and skips
+    object_file.write_bytes(bytes(flipped))
+    cfg = trainer.config(*SHORT)
+    assert trained_to_the_end(trainer.dataset, cfg.model, cfg.train, trainer.store) == str(newest.ref)
     shutil.rmtree(first.run_dir)
     shutil.rmtree(trainer.store_cfg.cache_dir, ignore_errors=True)
-    again = trainer.run(*SHORT)
+    # the launch told that preflight was skipped finds it damaged: it trains no step on an unmeasured fleet
+    with pytest.raises(LaunchError, match="preflight was skipped: the store held this training at train.steps=20"):
+        trainer.run(*SHORT, "cluster.max_restarts=0", trains_no_step=True)
+    shutil.rmtree(trainer.store_cfg.cache_dir, ignore_errors=True)
+    again = trainer.run(*SHORT)  # a rerun that measured: resumes from the older step, heals the newest
     assert again.result.resumed_from == str(stored_steps(trainer, first.identity)[10].ref)
     assert again.result.start_step == 10
     assert not trainer.store.exists(newest.ref) and trainer.store.quarantined(newest.ref)  # never resumed again
