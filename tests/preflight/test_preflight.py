@@ -335,7 +335,7 @@ def test_the_fleet_key_changes_with_what_is_measured_and_not_with_how_it_is_judg
         name("cluster.nodes=3"),
         name("cluster.procs_per_node=2"),
         name(held_out={"vm-node1": "quarantined"}),
-        name("train.precision=bf16"),
+        name("train.precision=fp32"),  # another compute dtype (fp8 computes in bf16, as the default)
         name("preflight.gemm_size=256"),
         name("preflight.numerics_s=0"),
         name(dataset="dataset/kjv@b"),
