@@ -336,6 +336,54 @@ def check_nodes(t: Target, apis: Apis) -> Row:
     return Row("gpu nodes", FAIL, found, fix)
 
 
+HCAS_ANNOTATION = "liftoff.dev/hcas"  # a node's HCA names, comma-separated, where the API shows none
+
+
+def node_hcas(nodes: list, gpus: int) -> tuple[list[str], str]:
+    """(the HCA names NCCL would see on a GPU node, where they come from): a node's
+    `liftoff.dev/hcas` annotation, else ConnectX's naming with one HCA per GPU (mlx5_0 ...), as on
+    the DGX/HGX H100 and H200 nodes the presets plan (the device plugin advertises counts, not names)."""
+    for n in nodes:
+        listed = ((n.metadata.annotations or {}).get(HCAS_ANNOTATION) or "").strip()
+        if listed:
+            return [h.strip() for h in listed.split(",") if h.strip()], f"{n.metadata.name}'s {HCAS_ANNOTATION}"
+    return [f"mlx5_{i}" for i in range(max(gpus, 1))], f"ConnectX naming, one HCA per GPU ({HCAS_ANNOTATION} overrides)"
+
+
+def check_nccl(t: Target, apis: Apis) -> Row:
+    """NCCL's environment (cluster.env, as every replica gets it) by NCCL's own rules
+    (components/nccl.py) against the GPU nodes' RDMA devices: a pattern that selects none makes
+    NCCL fall back to TCP sockets, which preflight's floors then refuse after the GPUs are held."""
+    from components.nccl import ib_hcas_used, parse_ib_hca
+
+    core, _, _ = apis()
+    env, cluster = dict(t.typed.cluster.env or {}), t.typed.cluster
+    nodes = [n for n in core.list_node(_request_timeout=TIMEOUT_S).items
+             if n.status and n.status.allocatable and GPU in n.status.allocatable]  # fmt: skip
+    advertised = sorted({r for n in nodes for r in n.status.allocatable if r.startswith("rdma/")})
+    requested = sorted(r for r in cluster.extra_resources if r.startswith("rdma/"))
+    fix = "NCCL_IB_HCA=mlx5 (a prefix: mlx5_0 ... mlx5_7) in cluster.env, with the RDMA resource (docs/cluster.md)"
+    if str(env.get("NCCL_IB_DISABLE", "0")).lower() in ("1", "true"):
+        return Row("nccl", WARN, "NCCL_IB_DISABLE is set: collectives run over TCP sockets", fix)
+    hca = env.get("NCCL_IB_HCA")
+    rdma = f"RDMA resources requested {requested or 'none'}, advertised {advertised or 'none'}"
+    if not hca:
+        if requested or advertised:
+            return Row("nccl", OK, f"NCCL_IB_HCA unset: NCCL uses every HCA; {rdma}")
+        return Row("nccl", WARN, f"no RDMA: {rdma}; NCCL runs over TCP sockets (preflight's floors refuse it)", fix)
+    try:
+        parse_ib_hca(str(hca))
+    except ValueError as e:
+        return Row("nccl", FAIL, str(e), fix)
+    devices, source = node_hcas(nodes, cluster.gpu)
+    used = ib_hcas_used(str(hca), devices)
+    if not used:
+        found = (f"NCCL_IB_HCA={hca} selects none of {', '.join(devices)} ({source}) by NCCL's rules (a leading "
+                 "'=' means exact names): NCCL falls back to TCP sockets")  # fmt: skip
+        return Row("nccl", FAIL, found, fix)
+    return Row("nccl", OK, f"NCCL_IB_HCA={hca} selects {len(used)} of {len(devices)} HCAs ({source}); {rdma}")
+
+
 # -- 5. and 6. the store ------------------------------------------------------------------------------
 
 STORE_FIX = "run the doctor where the store is reachable (a port-forward: deploy/README.md step 1) with its keys"
@@ -473,6 +521,7 @@ def run_checks(cfg: DictConfig, kfp: bool = True) -> list[Row]:
         ("pod security", kube, KUBE_FIX, lambda: check_pod_security(t, apis)),
         ("volcano", kube, KUBE_FIX, lambda: check_volcano(t, apis)),
         ("gpu nodes", kube, KUBE_FIX, lambda: check_nodes(t, apis)),
+        ("nccl", kube, KUBE_FIX, lambda: check_nccl(t, apis)),
         ("store conditional writes", "the store", STORE_FIX, lambda: check_conditional_writes(t, store)),
         ("store capacity", "the store", STORE_FIX, lambda: check_capacity(t, store)),
         ("image", "the code version", "", lambda: check_image(t)),

@@ -30,7 +30,8 @@ def on_cluster(
     store credentials from a Secret (never a parameter), a RAM-backed /dev/shm, resource
     requests (a BestEffort pod is the first evicted) and retries (an evicted or lost driver
     pod reruns; train resumes from the store and deletes its orphaned job first). No retries
-    for preflight, whose failed gate must stop the run at once, nor with the local scheduler,
+    for the two tasks that check every group and the inputs (the tokenize plan, preflight): a
+    deterministic failure, or a failed gate, stops the run at once; nor with the local scheduler,
     where a failed task is the code's, not a lost pod's (kfp.local honours retries too)."""
     task.set_container_image(cfg.cluster.image)
     kubernetes.set_image_pull_policy(task, cfg.cluster.image_pull_policy)
@@ -59,7 +60,10 @@ def build_pipeline(cfg: Any):
     def pretrain(
         data: dict, tokenizer: dict, model: dict, train: dict, preflight: dict, eval: dict, cluster: dict, store: dict
     ) -> str:
-        planned = on_cluster(tokenize_plan(data=data, tokenizer=tokenizer, model=model, store=store), cfg)
+        # not retried: its failures are the config's or the source's (a bad group value edited in the
+        # UI, a path that is not there), never worth a second attempt; what it costs an evicted pod
+        # is a rerun of the plan (the shards it made are in the store)
+        planned = on_cluster(tokenize_plan(data=data, tokenizer=tokenizer, model=model, store=store), cfg, retry=False)
         planned.set_caching_options(False)  # the same config may name changed bytes: the plan hashes them
         with dsl.ParallelFor(planned.outputs["Output"], parallelism=cfg.data.parallelism) as shard:
             sharded = on_cluster(tokenize_shard(shard=shard, data=data, store=store), cfg)
@@ -76,7 +80,14 @@ def build_pipeline(cfg: Any):
         dataset = merged.outputs["dataset"]
         checked = on_cluster(
             preflight_op(
-                dataset=dataset, data=data, model=model, train=train, cluster=cluster, preflight=preflight, store=store
+                dataset=dataset,
+                data=data,
+                model=model,
+                train=train,
+                eval=eval,
+                cluster=cluster,
+                preflight=preflight,
+                store=store,
             ),
             cfg,
             retry=False,

@@ -618,6 +618,13 @@ MUTATIONS = [
         "reseeded = []",
         ("tests/pipeline/test_sweep_objective.py",),
     ),
+    Mutation(
+        "doctor: nccl: a pattern selecting no HCA passes",
+        "pipelines/doctor.py",
+        "    if not used:\n        found = (",
+        "    if False:\n        found = (",
+        ("tests/pipeline/test_doctor.py::test_each_unhealthy_fact_alone_fails_its_row_in_one_line[nccl]",),
+    ),
 ]
 
 

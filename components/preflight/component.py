@@ -12,6 +12,7 @@ def preflight(
     data: dict,
     model: dict,
     train: dict,
+    eval: dict,
     cluster: dict,
     preflight: dict,
     store: dict,
@@ -32,8 +33,9 @@ def preflight(
     from components.store import Ref
     from components.task import input_ref, stage_task
 
+    # every group is checked here (eval's would otherwise first be in validate's, which is retried)
     with stage_task(
-        "preflight", data=data, model=model, train=train, preflight=preflight, cluster=cluster, store=store
+        "preflight", data=data, model=model, train=train, eval=eval, preflight=preflight, cluster=cluster, store=store
     ) as t:
         g, cfg = t.groups, t.groups["preflight"]
         ref = input_ref(dataset)

@@ -344,9 +344,13 @@ def test_every_kfp_task_gets_the_pull_secret_requests_and_retries(rendered):
     assert containers["exec-evaluate"]["container"]["resources"]["resourceMemoryRequest"] == "16G"
     tasks = {**pipeline["root"]["dag"]["tasks"], **pipeline["components"]["comp-for-loop-1"]["dag"]["tasks"]}
     for name, task in tasks.items():
-        if name not in ("for-loop-1", "preflight"):
+        if name not in ("for-loop-1", "preflight", "tokenize-plan"):
             assert task["retryPolicy"]["maxRetryCount"] == 2, name
-    assert "retryPolicy" not in tasks["preflight"]  # a failed gate stops the run at once
+    # the tasks that check every group and the inputs: a deterministic failure is not retried
+    assert "retryPolicy" not in tasks["preflight"] and "retryPolicy" not in tasks["tokenize-plan"]
+    groups = {"data", "tokenizer", "model", "store"} | {"data", "model", "train", "eval", "cluster", "preflight"}
+    checked = set(tasks["tokenize-plan"]["inputs"]["parameters"]) | set(tasks["preflight"]["inputs"]["parameters"])
+    assert groups == checked == {"data", "tokenizer", "model", "train", "eval", "cluster", "preflight", "store"}
 
 
 @pytest.mark.parametrize("job", ["train", "preflight"])

@@ -28,7 +28,16 @@ from tests.pipeline.fake_k8s import FakeK8s, gpu_node
 from tests.pipeline.fake_kfp import FakeKfp
 from tests.store_objects import object_versions
 
-ROWS = ["kfp backend", "pod security", "volcano", "gpu nodes", "store conditional writes", "store capacity", "image"]
+ROWS = [
+    "kfp backend",
+    "pod security",
+    "volcano",
+    "gpu nodes",
+    "nccl",
+    "store conditional writes",
+    "store capacity",
+    "image",
+]
 NAMESPACE = "team-a"
 # the guide's replicas: hostPath NVMe and IPC_LOCK, so their namespace must enforce `privileged`
 PRIVILEGED = [
@@ -171,6 +180,7 @@ class Cluster:
             f"store.bucket={self.store_cfg.bucket}",
             f"store.endpoint={self.endpoint}",
             "store.timeout_s=10",
+            "cluster.env={NCCL_IB_HCA:mlx5}",  # the guide's setting (issue 42, acceptance 1)
         ]
         return replaced(replaced(CLUSTER, *healthy), *extra)
 
@@ -228,6 +238,11 @@ def test_a_healthy_cluster_and_store_pass_every_row(cluster, capsys):
         f"namespace {NAMESPACE} enforces privileged; the replica pods need privileged"
     )
     assert rows["volcano"] == ("ok", "Volcano queue default is Open", "-")
+    assert rows["nccl"][:2] == (
+        "ok",
+        "NCCL_IB_HCA=mlx5 selects 8 of 8 HCAs (ConnectX naming, one HCA per GPU "
+        "(liftoff.dev/hcas overrides)); RDMA resources requested none, advertised none",
+    )
     assert rows["gpu nodes"][1].startswith(
         "3 of 3 GPU nodes fit a replica (cpu 96, memory 745Gi, nvidia.com/gpu 8, ephemeral-storage 50Gi); "
         "room for 3 of 2 replicas"
@@ -296,6 +311,10 @@ def _full_disk(c: Cluster) -> list[str]:
     return ["store=local", f"store.root={c.tmp_path / 'store'}"]
 
 
+def _exact_hca(c) -> list[str]:
+    return ["cluster.env={NCCL_IB_HCA:'=mlx5'}"]  # round 2's guide: exact names, none is `mlx5`
+
+
 UNHEALTHY = {
     "pod security": (
         _baseline_namespace,
@@ -318,6 +337,12 @@ UNHEALTHY = {
     "kfp backend": (_old_backend, "liftoff doctor: kfp backend: Kubeflow Pipelines at http://", "is 2.5.0"),
     "image": (_other_commit, "liftoff doctor: image: registry.example.com/liftoff:", "the pods would run other code"),
     "store capacity": (_full_disk, "liftoff doctor: store capacity: 1 MiB free under ", "train.checkpoint_keep"),
+    "nccl": (
+        _exact_hca,
+        "liftoff doctor: nccl: NCCL_IB_HCA==mlx5 selects none of mlx5_0, mlx5_1, mlx5_2, mlx5_3, mlx5_4, mlx5_5, "
+        "mlx5_6, mlx5_7 (ConnectX naming",
+        "NCCL falls back to TCP sockets",
+    ),
 }
 
 
