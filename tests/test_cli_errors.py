@@ -144,16 +144,17 @@ def test_the_doctor_with_nothing_reachable(workdir, monkeypatch):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     line = proc.stderr.rstrip("\n")
     assert line.startswith(f"liftoff doctor: kfp backend: Kubeflow Pipelines at {host}: MaxRetryError: "), line
-    for row in ("pod security", "volcano", "gpu nodes"):
+    for row in ("pod security", "volcano", "gpu nodes", "nccl"):
         assert f" | {row}: cannot reach the Kubernetes API: ConfigException: " in line, line
     assert f" | store conditional writes: artifact store at {store} unreachable: " in line, line
     table = proc.stdout.splitlines()
-    assert table[0].split() == ["check", "status", "found", "fix"] and len(table) == 8, proc.stdout
+    assert table[0].split() == ["check", "status", "found", "fix"] and len(table) == 9, proc.stdout
     assert [r.split("  ")[0] for r in table[1:]] == [
         "kfp backend",
         "pod security",
         "volcano",
         "gpu nodes",
+        "nccl",
         "store conditional writes",
         "store capacity",
         "image",

@@ -180,7 +180,7 @@ class Cluster:
             f"store.bucket={self.store_cfg.bucket}",
             f"store.endpoint={self.endpoint}",
             "store.timeout_s=10",
-            "cluster.env={NCCL_IB_HCA:mlx5}",  # the guide's setting (issue 42, acceptance 1)
+            "+cluster.env.NCCL_IB_HCA=mlx5",  # the guide's setting (issue 42, acceptance 1)
         ]
         return replaced(replaced(CLUSTER, *healthy), *extra)
 
@@ -312,7 +312,7 @@ def _full_disk(c: Cluster) -> list[str]:
 
 
 def _exact_hca(c) -> list[str]:
-    return ["cluster.env={NCCL_IB_HCA:'=mlx5'}"]  # round 2's guide: exact names, none is `mlx5`
+    return ["+cluster.env.NCCL_IB_HCA='=mlx5'"]  # round 2's guide: exact names, none is `mlx5`
 
 
 UNHEALTHY = {
@@ -417,7 +417,7 @@ def test_unreachable_apis_are_failing_rows_not_tracebacks(tmp_path, monkeypatch,
     rc, rows, err = doctor(capsys, overrides)
     assert rc == 2 and len(err) == 1
     failing = [name for name, (status, *_) in rows.items() if status == "FAIL"]
-    assert failing == ["kfp backend", "pod security", "volcano", "gpu nodes", "store conditional writes"]
+    assert failing == ["kfp backend", "pod security", "volcano", "gpu nodes", "nccl", "store conditional writes"]
     assert "cannot reach the Kubernetes API: ConfigException" in rows["volcano"][1]
     assert "store.bucket=no-such-bucket: no artifact store there" in rows["store conditional writes"][1]
     assert all(f"{name}: " in err[0] for name in failing) and "Traceback" not in err[0]
