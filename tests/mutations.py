@@ -598,8 +598,8 @@ MUTATIONS = [
     Mutation(
         "preflight: NCCL's environment and the fabric out of the fleet key (TCP numbers reused after a fix)",
         "components/preflight/stage.py",
-        '        "fabric": [cluster.env,',
-        '        "fabric": [None,',
+        '        "fabric": [\n            cluster.env,',
+        '        "fabric": [\n            None,',
         (
             "tests/preflight/test_preflight.py::test_the_fleet_key_changes_with_what_is_measured_and_not_with_how_it_is_judged",
         ),
