@@ -62,9 +62,10 @@ def exit_once_written() -> None:
     exception after this point (the executor's own) goes through sys.excepthook and the process
     exits as usual, non-zero. (A `sys.exit(n)` would not: kfp's executor_main never calls it.)"""
     import atexit
-    import os
     import sys
     from pathlib import Path
+
+    from components.worker_side import exit_now
 
     output = executor_output_file()
     if output is None:
@@ -79,11 +80,7 @@ def exit_once_written() -> None:
     def done() -> None:  # the last atexit handler registered: the first to run
         if not raised and Path(output).is_file():
             atexit.unregister(done)
-            atexit._run_exitfuncs()  # every other exit handler still runs (logging's flush, temp dirs)
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os._exit(0)  # what is skipped: finalizing the modules
+            exit_now(0)  # every other exit handler still runs; what is skipped: finalizing the modules
 
     sys.excepthook = hook
     atexit.register(done)

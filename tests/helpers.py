@@ -258,3 +258,32 @@ def rendered(tmp_path: Path, report: Path) -> dict:
     parser.feed(dom)
     assert parser.text, f"the probe script did not run; DOM starts {dom[:300]!r}"
     return json.loads(parser.text)
+
+
+class LoopbackServer:
+    """A test's HTTP server on 127.0.0.1 (`self.server`, served by `self.thread`), started and shut
+    down by `with`: the fake KFP and Kubernetes API servers and the store proxy."""
+
+    server: object
+    thread: object
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# `liftoff doctor`'s rows, in the order its table prints them (tests/pipeline/test_doctor.py, test_cli_errors.py)
+DOCTOR_ROWS = [
+    "kfp backend",
+    "pod security",
+    "volcano",
+    "gpu nodes",
+    "nccl",
+    "store conditional writes",
+    "store capacity",
+    "image",
+]

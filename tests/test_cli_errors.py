@@ -16,7 +16,7 @@ import pytest
 from components.config import defaults
 from components.store import Ref, open_store
 from tests.conftest import ROOT, S3_ACCESS_KEY, S3_SECRET_KEY, free_port
-from tests.helpers import CLUSTER
+from tests.helpers import CLUSTER, DOCTOR_ROWS
 
 VERSION = "6aa3c0ffee"  # the model version in the store the artifacts cases read
 
@@ -149,16 +149,7 @@ def test_the_doctor_with_nothing_reachable(workdir, monkeypatch):
     assert f" | store conditional writes: artifact store at {store} unreachable: " in line, line
     table = proc.stdout.splitlines()
     assert table[0].split() == ["check", "status", "found", "fix"] and len(table) == 9, proc.stdout
-    assert [r.split("  ")[0] for r in table[1:]] == [
-        "kfp backend",
-        "pod security",
-        "volcano",
-        "gpu nodes",
-        "nccl",
-        "store conditional writes",
-        "store capacity",
-        "image",
-    ]
+    assert [r.split("  ")[0] for r in table[1:]] == DOCTOR_ROWS
 
 
 def test_render_with_the_default_config(workdir):

@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+from tests.helpers import LoopbackServer
+
 PATH = re.compile(
     r"^/(?:api/v1|apis/(?P<group>[^/]+)/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[^/]+)"
     r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>[^/]+))?$"
@@ -37,7 +39,7 @@ VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"
 FAIL_LINE = "RuntimeError: boom-sentinel"
 
 
-class FakeK8s:
+class FakeK8s(LoopbackServer):
     def __init__(
         self,
         earlier_jobs: list[str] = (),
@@ -248,14 +250,6 @@ class FakeK8s:
             "state": {"phase": "Running" if not done else "Failed" if failed else "Completed"},
             "taskStatusCount": tasks,
         }
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def gpu_node(

@@ -9,8 +9,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+from tests.helpers import LoopbackServer
 
-class FakeKfp:
+
+class FakeKfp(LoopbackServer):
     def __init__(self):
         self.requests: list[dict] = []
         self.pipelines: dict[str, dict] = {}
@@ -118,14 +120,6 @@ class FakeKfp:
             run = next(r for r in self.runs if r["run_id"] == m.group(1))
             return {**run, "state": self.final_state, "finished_at": "2026-12-01T00:00:00Z"}
         return {}
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _filter_value(raw: str | None) -> str | None:

@@ -23,21 +23,12 @@ from pipelines.cli import main
 from pipelines.cluster import DOCTOR_SKIPPED, short_commit
 from pipelines.pod_security import ENFORCE_LABEL
 from tests.conftest import store_config
-from tests.helpers import CLUSTER
+from tests.helpers import CLUSTER, DOCTOR_ROWS, LoopbackServer
 from tests.pipeline.fake_k8s import FakeK8s, gpu_node
 from tests.pipeline.fake_kfp import FakeKfp
 from tests.store_objects import object_versions
 
-ROWS = [
-    "kfp backend",
-    "pod security",
-    "volcano",
-    "gpu nodes",
-    "nccl",
-    "store conditional writes",
-    "store capacity",
-    "image",
-]
+ROWS = DOCTOR_ROWS
 NAMESPACE = "team-a"
 # the guide's replicas: hostPath NVMe and IPC_LOCK, so their namespace must enforce `privileged`
 PRIVILEGED = [
@@ -52,7 +43,7 @@ PRECONDITION_FAILED = (
 )
 
 
-class SeaweedfsProxy:
+class SeaweedfsProxy(LoopbackServer):
     """SeaweedFS 4.00-4.07 on a versioned bucket (seaweedfs#8073), in front of moto: a real HTTP
     proxy that forwards every request with http.client, headers and bodies streamed through
     unchanged, except that a PUT's `If-None-Match` is dropped (the create always succeeds) and a
@@ -131,14 +122,6 @@ class SeaweedfsProxy:
         self.server.daemon_threads = True
         self.endpoint = f"127.0.0.1:{self.server.server_port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def healthy_nodes(n: int = 3) -> list[dict]:
