@@ -171,8 +171,8 @@ def run_parallel(model_name: str, ac_every: int, micro: int, seq_len: int) -> li
 
     n = torch.cuda.device_count()
     rows = []
-    for layout, precision in cases(n) if n >= 2 else []:
-        rows.append(launch(n, layout, precision, [model_name, str(ac_every), str(micro), str(seq_len)]))
+    for case in cases(n) if n >= 2 else []:  # one launch each: a case's peak memory is its own
+        rows += launch(n, [case], [model_name, str(ac_every), str(micro), str(seq_len)])
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

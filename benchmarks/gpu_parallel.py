@@ -1,5 +1,5 @@
 """gpu_parallel: liftoff's train step sharded over every GPU of one node, one case per torchrun
-launch, for `benchmarks/gpu.py` when the node has 2 or more GPUs:
+launch (its peak memory its own), for `benchmarks/gpu.py` when the node has 2 or more GPUs:
 
 - `fsdp/bf16`: FSDP2, bf16 compute (MixedPrecisionPolicy), the reference;
 - `fsdp/fp8`: FSDP2 with torchao's float8 tensorwise recipe, whose weights are all-gathered in
@@ -16,7 +16,8 @@ peers on the same ones) and times STEPS steps after
 WARMUP; rank 0 prints one JSON line: tokens/s over all ranks, MFU against the bf16 peak x world,
 peak memory, and the live model's wrapper counts (fp8 all-gather parameters read off the model).
 `python -m benchmarks.gpu_parallel --smoke` runs the same under torchrun on 2 CPU processes
-(gloo, the tiny model) to check the script itself.
+(gloo, the tiny model) to check the script itself: every case in one launch, one after another in
+one process group (a launch costs more than the tiny cases).
 """
 
 from __future__ import annotations
@@ -50,9 +51,6 @@ def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int,
     cuda = torch.cuda.is_available()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
     model_cfg = preset(model_name)
     model_cfg.vocab_size = model_cfg.vocab_size or 1024
     on_cpu = "fp32" if precision == "bf16" else precision  # the CPU smoke: fp32 for the bf16 cases
@@ -112,20 +110,20 @@ def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int,
     }
     if cuda:
         row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-    dist.destroy_process_group()
     return row if rank == 0 else None
 
 
-def launch(nprocs: int, layout: str, precision: str, args: list[str]) -> dict:
-    """One case under torchrun on this node; its rank 0's row (or a failed row)."""
+def launch(nprocs: int, todo: list[tuple[str, str]], args: list[str]) -> list[dict]:
+    """Cases under one torchrun on this node; rank 0's row of each (a failed row for each without one)."""
+    spec = ",".join(f"{layout}/{precision}" for layout, precision in todo)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
-           "-m", "benchmarks.gpu_parallel", "--case", layout, precision, *args]  # fmt: skip
+           "-m", "benchmarks.gpu_parallel", "--case", spec, *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not rows:
-        return {"kind": "parallel", "layout": layout, "precision": precision, "failed": proc.returncode or "no row"}
-    return rows[-1]
+    rows = {r.pop("case"): r for r in map(json.loads, (ln for ln in proc.stdout.splitlines() if ln.startswith("{")))}
+    failed = proc.returncode or "no row"
+    return [rows.get(f"{layout}/{precision}") or {"kind": "parallel", "layout": layout, "precision": precision,
+                                                  "failed": failed} for layout, precision in todo]  # fmt: skip
 
 
 def cases(nprocs: int) -> list[tuple[str, str]]:
@@ -133,22 +131,36 @@ def cases(nprocs: int) -> list[tuple[str, str]]:
     return [(layout, p) for layout, p in CASES if layout not in ("hsdp", "tp_fsdp") or four]
 
 
+def run_cases(spec: str, model_name: str, ac_every: str, micro: str, seq_len: str) -> None:
+    """This rank's share of each case in `spec` ("layout/precision,..."), in one process group."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        for case in spec.split(","):
+            layout, precision = case.split("/")
+            row = run(layout, precision, model_name, int(ac_every), int(micro), int(seq_len))
+            if row is not None:
+                row["case"] = case
+                print(json.dumps(row), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: list[str]) -> int:
     if "--case" in argv:
         i = argv.index("--case")
-        layout, precision, model_name, ac_every, micro, seq_len = argv[i + 1 : i + 7]
-        row = run(layout, precision, model_name, int(ac_every), int(micro), int(seq_len))
-        if row is not None:
-            print(json.dumps(row), flush=True)
+        run_cases(*argv[i + 1 : i + 6])
         return 0
-    nprocs = 2 if "--smoke" in argv else torch.cuda.device_count()
-    args = ["tiny", "1", "2", "64"] if "--smoke" in argv else argv[:4]
-    failed = 0
-    for layout, precision in cases(nprocs):
-        row = launch(nprocs, layout, precision, args)
-        failed += "failed" in row
+    smoke = "--smoke" in argv
+    nprocs = 2 if smoke else torch.cuda.device_count()
+    args = ["tiny", "1", "2", "64"] if smoke else argv[:4]
+    todo = cases(nprocs)
+    rows = launch(nprocs, todo, args) if smoke else [row for case in todo for row in launch(nprocs, [case], args)]
+    for row in rows:
         print(json.dumps(row), flush=True)
-    return 1 if failed else 0
+    return 1 if any("failed" in row for row in rows) else 0
 
 
 if __name__ == "__main__":

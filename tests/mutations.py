@@ -131,6 +131,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "tokenize: a long document encoded whole (its memory grows with its length)",
+        "components/tokenize/pack.py",
+        "        parts = [text] if len(text) <= PIECE_CHARS else list(pieces(text))",
+        "        parts = [text]",
+        ("tests/tokenize/test_long_documents.py::test_a_long_line_tokenizes_in_under_2gib[16]",),
+    ),
+    Mutation(
         "tokenize: a shard the store lost is answered by the cache (no rerun token)",
         "components/tokenize/plan.py",
         '            item["rerun"] = uuid.uuid4().hex\n',
@@ -142,7 +149,7 @@ MUTATIONS = [
         "components/tokenize/plan.py",
         '"index": index, "planned": planned}',
         '"index": index}',
-        ("tests/pipeline/test_local_run.py::test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds",),
+        ("tests/tokenize/test_tokenize.py::test_plan_shards_and_merge_fan_out_under_kfp_local",),
     ),
     Mutation(
         "lease: a replica publishes the model although its driver lost the lease",
@@ -494,7 +501,7 @@ MUTATIONS = [
         "components/preflight/component.py",
         'if done := trained_to_the_end(ref, g["model"], g["train"], t.store):',
         "if done := None:",
-        ("tests/pipeline/test_local_run.py::test_run_end_to_end_traces_lineage_and_reuses_the_dataset",),
+        ("tests/pipeline/test_local_run.py::test_run_end_to_end_over_minio_traces_lineage_and_reuses_the_dataset",),
     ),
     # issue 42, point 2: `liftoff doctor`, one mutation a row, and its place in submit
     Mutation(

@@ -1,4 +1,4 @@
-"""`liftoff run`: the whole DAG through kfp.local, with the local store and with MinIO over HTTP."""
+"""`liftoff run`: the whole DAG through kfp.local, with MinIO over HTTP and with the local store."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def run_logs(root) -> str:
     return "".join(p.read_text() for p in sorted(root.rglob("run.log"), key=lambda p: p.stat().st_mtime))
 
 
-@pytest.mark.chaos_slow  # 90 s, two whole runs: in `make chaos`; test_run_end_to_end keeps a one-job sweep
+@pytest.mark.chaos_slow  # 90 s, two whole runs: in `make chaos`; test_run_end_to_end_over_minio keeps a one-job sweep
 def test_sweep_runs_every_job_tokenizes_once_and_reruns_only_what_changed(in_tmp, capfd, caplog):
     caplog.set_level("INFO")
     assert main(["run", "-m", *FAST, "train.lr=1e-3,3e-3"]) == 0
@@ -57,34 +57,40 @@ def test_sweep_runs_every_job_tokenizes_once_and_reruns_only_what_changed(in_tmp
     assert len([ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("dataset/")]) == 1
 
 
-def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
-    """The default experiment over a multi-file corpus fanned out into 4 shard tasks
-    (dsl.ParallelFor, merged with dsl.Collected) that training streams from the store."""
-    sharded = [f"data.paths=[{split_corpus(in_tmp / 'corpus')}]", "data.shards=4", *FAST[1:]]
+def test_run_end_to_end_over_minio_traces_lineage_and_reuses_the_dataset(in_tmp, s3_env, capfd):
+    """The default experiment with MinIO over HTTP as the store and a multi-file corpus as objects
+    under an s3:// prefix on its endpoint, fanned out into 4 shard tasks (dsl.ParallelFor, merged
+    with dsl.Collected) that training streams from the store."""
+    from components.config import StoreBackend, defaults
+    from components.store import Ref, open_store
+
+    cfg = defaults("store", backend=StoreBackend.minio, bucket="e2e-run", root="", cache_dir=str(in_tmp / ".probe"))
+    source = upload_corpus(cfg, "e2e-corpus", split_corpus(in_tmp / "corpus", parts=4), "kjv")
+    on_minio = ["store=minio", "store.bucket=e2e-run", "store.timeout_s=10"]
+    sharded = [f"data.paths=[{source}]", "data.shards=4", *FAST[1:], *on_minio]
     assert main(["run", *sharded]) == 0
     out = capfd.readouterr().out
     assert executed(run_logs(in_tmp / "runs")).count("tokenize-shard") == 4
+    assert re.search(r"^\s+ok [\d.]+ s, shard/kjv@\w+-3of4", out, re.M)
     assert "val_perplexity:" in out and "artifacts (each <- what it was made from):" in out
     report = re.search(r"^report: (\S+)$", out, re.M).group(1)  # the summary's last line
     assert out.rstrip().endswith(report) and report.endswith(".html")
     assert "<header id='identity'>" in Path(report).read_text()
     model_ref = re.search(r"^  (model/tiny@[\w-]+)  <- ", out, re.M).group(1)
-    assert main(["artifacts", "show", model_ref]) == 0
+    assert main(["artifacts", "show", model_ref, *on_minio]) == 0
     shown = capfd.readouterr().out
     assert re.search(r"^      checkpoint/tiny@\w+-step10", shown, re.M)  # the lineage tree, under the model
     assert re.search(r"^      dataset/kjv@\w+", shown, re.M)
     assert re.search(r"^    model/tiny@[\w-]+ .* code [0-9a-f]{40}", shown, re.M)  # the commit that trained it
     # the default experiment is the headline path: 2 nodes, fp8 Float8Linears, activation checkpointing
-    from components.config import defaults
-    from components.store import Ref, open_store
-
-    store = open_store(defaults("store", root=str(in_tmp / "artifacts"), cache_dir=str(in_tmp / ".cache")))
+    store = open_store(cfg)  # the bucket, read by a client of the test's own
     trained = store.manifest(Ref.parse(model_ref)).metadata
     assert trained["world"] == 2 and trained["float8_linear_count"] == 14
     assert trained["wrapped_modules"]["activation_checkpoint"] == 2
     assert [m.metadata["passed"] for m in store.ls("preflight-report")] == [True]  # its report, as HTML
     files = store.manifest(Ref.parse(model_ref)).files  # the training records and events travel with the model
     assert "training_metrics.jsonl" in files and any(f.startswith("tensorboard/events.out.tfevents.") for f in files)
+    assert not (in_tmp / "artifacts").exists()  # nothing went to a local store
     # a new kfp.local root (as on a fresh machine) still finds the dataset in the store; run as a
     # one-job sweep, its table flags the model as the one the first run made
     import shutil
@@ -103,21 +109,6 @@ def test_run_end_to_end_traces_lineage_and_reuses_the_dataset(in_tmp, capfd):
     # issue 43, point 1: the rerun resumes at its last step, so preflight measures nothing
     skipped = r"^\s+ok [\d.]+ s, skipped: checkpoint/tiny@\S+ is at train.steps=10: the resumed run trains no step$"
     assert re.search(skipped, again, re.M) and len(list(store.ls("preflight"))) == 1
-
-
-def test_run_with_minio_over_http(in_tmp, s3_env, capfd):
-    """MinIO as the store, and the corpus as objects under an s3:// prefix on its endpoint."""
-    from components.config import StoreBackend, defaults
-
-    endpoint = defaults("store", backend=StoreBackend.minio, bucket="e2e-run", root="")
-    source = upload_corpus(endpoint, "e2e-corpus", split_corpus(in_tmp / "corpus", parts=4), "kjv")
-    store = ["store=minio", "store.bucket=e2e-run", "store.timeout_s=10"]
-    assert main(["run", f"data.paths=[{source}]", "data.shards=2", *FAST[1:], *store]) == 0
-    out = capfd.readouterr().out
-    assert "val_perplexity:" in out
-    assert re.search(r"^\s+ok [\d.]+ s, shard/kjv@\w+-1of2", out, re.M)
-    assert main(["artifacts", "ls", "model", "store=minio", "store.bucket=e2e-run"]) == 0
-    assert capfd.readouterr().out.startswith("model/tiny@")
 
 
 def test_unreachable_store_fails_before_any_stage(in_tmp, capfd, monkeypatch):
@@ -208,10 +199,11 @@ def test_a_search_space_the_rules_refuse_fails_before_any_trial(in_tmp, capfd):
 
 def test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds(in_tmp, capfd):
     """kfp.local's cache keeps the shard task's output (a ref into the store) across runs; the
-    store does not always keep the object. A wiped store, then `artifacts rm` of the dataset's
-    shard with its dependants (the dataset, the checkpoints, the model): each rerun of the same
-    config tokenizes the lost shard again and trains end to end, the dataset version unchanged."""
-    import shutil
+    store does not always keep the object. After `artifacts rm` of the dataset's shard with its
+    dependants (the dataset, the checkpoints, the model), a rerun of the same config tokenizes
+    the lost shard again and trains end to end, the dataset version unchanged. (A wiped store,
+    the plan gone too: tests/tokenize/test_tokenize.py.) The rerun reuses the first run's
+    measurements of the fleet; a node quarantined before both is left out, and said so."""
     import socket
 
     from components import fleet
@@ -221,32 +213,28 @@ def test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds(in_tmp,
     def store():
         return open_store(defaults("store", root=str(in_tmp / "artifacts"), cache_dir=str(in_tmp / ".cache")))
 
-    assert main(["run", *FAST]) == 0
-    (dataset,) = [str(m.ref) for m in store().ls("dataset")]
-    shutil.rmtree(in_tmp / "artifacts")  # kfp.local's cache under local_outputs/ is kept
-    node1 = f"{socket.gethostname()}-node1"  # a finding against node 1 before the rerun: it is left out
+    node1 = f"{socket.gethostname()}-node1"  # a finding against node 1 before the runs: it is left out
     fleet.quarantine(store(), node1, "test", "a finding of the operator's", 3600.0)
-    capfd.readouterr()
     assert main(["run", *FAST]) == 0
     said = capfd.readouterr().out  # the train line names the nodes it trained on and the one left out
     assert re.search(
         rf"; on \S+-node0, \S+-node2; left out {node1}: quarantined: a finding of the operator's$", said, re.M
     )
-    assert [str(m.ref) for m in store().ls("dataset")] == [dataset] and len(list(store().ls("model"))) == 1
+    (dataset,) = [str(m.ref) for m in store().ls("dataset")]
     (shard,) = [str(m.ref) for m in store().ls("shard")]
     assert main(["artifacts", "rm", shard, "--with-dependants"]) == 0
     assert not list(store().ls("dataset")) and not list(store().ls("model"))
     capfd.readouterr()
     assert main(["run", *FAST]) == 0
     assert [str(m.ref) for m in store().ls("dataset")] == [dataset] and len(list(store().ls("model"))) == 1
-    # every run executed the shard task: none was answered by the cache with a ref to nothing
-    assert executed(run_logs(in_tmp / "runs")).count("tokenize-shard") == 3
-    # issue 43, acceptance 1: the third run (same fleet, same dataset, minutes later) reuses the
-    # second's measurements: one stored version, no third preflight job, the status line says so
+    # both runs executed the shard task: the second was not answered by the cache with a ref to nothing
+    assert executed(run_logs(in_tmp / "runs")).count("tokenize-shard") == 2
+    # issue 43, acceptance 1: the second run (same fleet, same dataset, minutes later) reuses the
+    # first's measurements: one stored version, no second preflight job, the status line says so
     (measured,) = [m for m in store().ls("preflight")]
     reports = [m.parents for m in store().ls("preflight-report")]
-    assert reports == [[str(measured.ref)], [str(measured.ref)]]  # the second run's and the third's
-    assert len(list((in_tmp / "runs" / "preflight").iterdir())) == 2  # runs 1 and 2 launched workers
+    assert reports == [[str(measured.ref)], [str(measured.ref)]]  # the first run's and the second's
+    assert len(list((in_tmp / "runs" / "preflight").iterdir())) == 1  # only the first run launched workers
     reused = r"^\s+ok [\d.]+ s, measurements reused \(\d+ min old\), 2/2 nodes healthy"
     assert re.search(reused, capfd.readouterr().out, re.M)
 

@@ -152,6 +152,26 @@ def test_a_replica_that_fails_is_one_line_with_its_own_exception(default_run, wo
     assert said in err, err
 
 
+def test_liftoff_run_names_the_replica_that_failed_first(default_run, workdir):
+    """One replica fails first and its peer then loses the connection (issue 21, acceptance 5):
+    the one stderr line names the first failure, rank 1's NotFound, and calls rank 0's lost
+    connection a consequence."""
+    from tests.faults import RAISED_VERSION, fault_env
+
+    env = {**os.environ, **fault_env(raise_rank=1, raise_step=3), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pipelines.cli", "run", *FAST, "cluster.max_restarts=0", "train.resume=never"]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    err = one_error_line(proc)
+    head = r"stage train failed: LaunchError: train-\w{8} ended FAILED; first failure: replica 1 rank 1 at [\d:.]+: "
+    cause = re.escape(f"NotFound: no version {RAISED_VERSION} of checkpoint/tiny in the store")
+    # replica 0 then either logs its own error (its peer gone) or is killed by its agent before it
+    # can: either way it is named as what followed, never as the cause
+    followed = r"( \(replica 0 rank 0 failed after it: .+\)|; replica 0 logged no error \(.+\))"
+    assert re.search(head + cause + followed + r" \(full log: ", err), err
+    cause_part = err.split("; first failure: ", 1)[1].split(" (replica 0", 1)[0].split("; replica 0", 1)[0]
+    assert "Connection closed" not in cause_part and "RendezvousConnectionError" not in cause_part
+
+
 def test_known_library_noise_is_filtered_where_it_is_logged():
     """torchao's missing optional GPU kernels and torch's Enum deprecation, logged on every
     import of torchao, are dropped by `components`' logger filters; other records still show."""

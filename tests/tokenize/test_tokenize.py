@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import datasets
@@ -314,9 +315,12 @@ def test_a_line_over_max_doc_bytes_is_refused_naming_its_line(tmp_path):
     )
 
 
-def test_plan_shards_and_merge_fan_out_under_kfp_local(tmp_path):
+def test_plan_shards_and_merge_fan_out_under_kfp_local(tmp_path, capfd):
     """The stage as the pipeline wires it: plan -> dsl.ParallelFor over its items -> merge of the
-    dsl.Collected shard refs, run by kfp.local, each task a process of its own."""
+    dsl.Collected shard refs, run by kfp.local, each task a process of its own; run again on a
+    wiped store, every shard is tokenized again."""
+    import shutil
+
     import kfp.local
     from kfp import dsl
 
@@ -326,12 +330,14 @@ def test_plan_shards_and_merge_fan_out_under_kfp_local(tmp_path):
     from tests.conftest import split_corpus
 
     corpus = split_corpus(tmp_path / "corpus", parts=3)
-    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
+    runner = kfp.local.SubprocessRunner(use_venv=False)
+    kfp.local.init(runner=runner, pipeline_root=str(tmp_path / "root"), enable_caching=True)  # as `liftoff run`
     overrides = [f"data.paths=[{corpus}]", "data.shards=3", f"store.root={tmp_path / 'store'}"]
     groups = group_dicts(compose([*overrides, f"store.cache_dir={tmp_path / 'cache'}"]))
 
     def fan_out(data, tokenizer, model, store):
         planned = tokenize_plan(data=data, tokenizer=tokenizer, model=model, store=store)
+        planned.set_caching_options(False)  # as pipelines/pretrain.py: the plan always runs
         with dsl.ParallelFor(planned.outputs["Output"], parallelism=2) as item:
             shard = tokenize_shard(shard=item, data=data, store=store)
         merged = tokenize_merge(
@@ -349,6 +355,14 @@ def test_plan_shards_and_merge_fan_out_under_kfp_local(tmp_path):
     with print_kept():  # kfp.local's threads can leave builtins.print indenting for later tests
         ref = fan_out(**{g: groups[g] for g in ("data", "tokenizer", "model", "store")}).output
     assert ref.startswith("dataset/kjv@")
+    # the store wiped, kfp.local's cache kept: the plan is committed anew, so no shard task is
+    # answered by the cache (with a ref to a shard the store no longer holds); same dataset version
+    shutil.rmtree(tmp_path / "store")
+    capfd.readouterr()
+    with print_kept():
+        assert fan_out(**{g: groups[g] for g in ("data", "tokenizer", "model", "store")}).output == ref
+    said = re.sub(r"\x1b\[[0-9;]*m", "", capfd.readouterr().out)  # kfp.local's lines, uncoloured
+    assert said.count("Executing task 'tokenize-shard'") == 3 and "cache hit" not in said, said
     stored = open_store(defaults("store", root=str(tmp_path / "store"), cache_dir=str(tmp_path / "c2")))
     manifest = stored.manifest(Ref.parse(ref))
     version = manifest.ref.version

@@ -38,17 +38,16 @@ def lineage_refs(tree: dict) -> list[str]:
     return [tree["ref"], *(r for p in tree["parents"] for r in lineage_refs(p))]
 
 
-@pytest.mark.parametrize("nodes", [[], TWO_NODES], ids=["1node", "2nodes"])
-def test_a_run_against_another_store_trains_from_scratch_there(dataset_store, tmp_path, nodes):
+def test_a_run_against_another_store_trains_from_scratch_there(dataset_store, tmp_path):
     """Store A's run leaves its checkpoints on the node disks; the same config against store B
     (same node disks) must not resume them: B holds nothing of this training, so it trains from
     scratch, publishes its own checkpoints, and its model's lineage is whole in B."""
     a = Trainer(dataset_store, tmp_path / "a")
     b = Trainer(dataset_store, tmp_path / "b")
     b.tmp = a.tmp  # one run directory: the nodes' disks (their checkpoints) are shared between the runs
-    first = a.run(*nodes, *SHORT)
+    first = a.run(*TWO_NODES, *SHORT)
     assert ckpt.local_checkpoints(first.run_dir / "nodes" / "0" / "checkpoints" / first.identity / "node0")
-    second = b.run(*nodes, *SHORT)
+    second = b.run(*TWO_NODES, *SHORT)
     assert second.identity == first.identity and second.result.resumed_from is None
     assert sorted(stored_steps(b, second.identity)) == [10, 20]  # B's run published every checkpoint itself
     for refs in lineage_refs(b.store.lineage(second.model.ref)):
@@ -188,7 +187,7 @@ def test_two_runs_of_one_identity_against_one_store_one_trains_the_other_refuses
     assert f"training identity {trained[0].identity} is held by" in str(refused[0])
 
 
-@pytest.mark.parametrize("backend", ["local", "minio"])
+@pytest.mark.parametrize("backend", ["minio"])  # the cluster's store; test_store.py holds both backends' ranges
 def test_a_resuming_node_fetches_only_the_blocks_its_ranks_load(dataset_store, tmp_path, backend, request):
     """FSDP over 2 nodes saves steps 10 and 12, its shard files (each rank's weights and its
     optimizer state) hashed in 16 KiB blocks; step 12 and the model are deleted from the store

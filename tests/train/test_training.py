@@ -29,6 +29,15 @@ from tests.helpers import (
     stored_checkpoints,
 )
 
+# the one-process fp32 reference the layouts below are held to: 8 sequences a step, 10 steps
+REFERENCE = ["train.precision=fp32", "train.steps=10", "train.warmup_steps=2", "train.checkpoint_interval=10"]
+
+
+@pytest.fixture(scope="module")
+def one_process(dataset_store, tmp_path_factory):
+    """Trained once for the module: the HSDP and TP tests compare their layouts with it."""
+    return Trainer(dataset_store, tmp_path_factory.mktemp("one-process")).run(*REFERENCE, "train.micro_batch_size=8")
+
 
 def node_checkpoints(run, node: int) -> Path:
     """Where node `node` keeps its checkpoints: its own directory, as a pod's own disk."""
@@ -414,15 +423,14 @@ def test_fsdp_trains_the_same_weights_as_ddp(trainer):
     assert max(float((a[k] - init[k]).abs().max()) for k in a) > 1e-3  # it did train
 
 
-def test_hsdp_2x2_on_two_nodes_trains_the_losses_and_weights_of_one_process(trainer):
+def test_hsdp_2x2_on_two_nodes_trains_the_losses_and_weights_of_one_process(trainer, one_process):
     """HSDP: 2 nodes x 2 processes, parameters sharded within a node and replicated across the
     two; same global batch (4 ranks x 2 sequences) as one process with 8. fp32, 10 steps: the
     losses within 1e-4 relative, the weights within 1e-4; the live model's parameters are
     DTensors replicated over one mesh dimension and sharded over the other."""
-    common = ["train.precision=fp32", "train.steps=10", "train.warmup_steps=2", "train.checkpoint_interval=10"]
-    one = trainer.run(*common, "train.micro_batch_size=8")
-    hsdp = Trainer(trainer.dataset_store, trainer.tmp / "hsdp").run(
-        *common, "cluster.nodes=2", "cluster.procs_per_node=2", "train.parallelism=fsdp", "train.dp_replicate=2",
+    one = one_process
+    hsdp = trainer.run(
+        *REFERENCE, "cluster.nodes=2", "cluster.procs_per_node=2", "train.parallelism=fsdp", "train.dp_replicate=2",
         "train.micro_batch_size=2",
     )  # fmt: skip
     from components.train.model import build_model
@@ -461,19 +469,16 @@ def test_fsdp_bf16_async_checkpoints_on_two_nodes(trainer):
     assert verdict.numbers["checkpoint_max_abs_diff"] == 0.0
 
 
-def test_tensor_parallel_trains_the_losses_and_weights_of_one_process(trainer):
+def test_tensor_parallel_trains_the_losses_and_weights_of_one_process(trainer, one_process):
     """TP=2 on two nodes (one process each: the pair splits every block's matmuls, both read the
     same 8 sequences) and TP=2 x FSDP=2 on 2 nodes x 2 processes (2 data-parallel ranks of 4):
     the global batch of one process with 8. fp32, 10 steps: losses within 1e-4 relative and
     weights within 1e-4 of the one process; the live models' block projections and head are
     DTensors split over the tp mesh dimension, FSDP's on top in the 2-D run."""
-    common = ["train.precision=fp32", "train.steps=10", "train.warmup_steps=2", "train.checkpoint_interval=10"]
-    one = trainer.run(*common, "train.micro_batch_size=8")
-    tp = Trainer(trainer.dataset_store, trainer.tmp / "tp").run(
-        *common, *TWO_NODES, "train.tp=2", "train.micro_batch_size=8"
-    )
+    one = one_process
+    tp = trainer.run(*REFERENCE, *TWO_NODES, "train.tp=2", "train.micro_batch_size=8")
     tp_fsdp = Trainer(trainer.dataset_store, trainer.tmp / "tp_fsdp").run(
-        *common, "cluster.nodes=2", "cluster.procs_per_node=2", "train.parallelism=fsdp", "train.tp=2",
+        *REFERENCE, "cluster.nodes=2", "cluster.procs_per_node=2", "train.parallelism=fsdp", "train.tp=2",
         "train.micro_batch_size=4",
     )  # fmt: skip
     split = 7 * defaults("model").num_layers + 1  # q, k, v, o, gate, up, down per block, and the head
