@@ -12,6 +12,7 @@ BENCHMARKS = [
     "reader",
     "stream_reader",
     "train_overhead",
+    "hf_trainer",
     "run_checks",
     "checkpoint_async",
     "planner_accuracy",

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from components.config import ConfigError, compose, compose_choices, config_groups
+from components.summaries import gib
 from pipelines.artifacts import USAGE as ARTIFACTS_USAGE
 from pipelines.artifacts import UsageError, is_directory
 
@@ -141,10 +142,10 @@ def cmd_plan(args: list[str]) -> int:
     print(eval_line(cfg, p.params, device.memory_gb))
     budget = device.memory_gb * safety
     if fits(p, device.memory_gb, safety):
-        print(f"fits: {p.total_gb:.3f} GB of {budget:.2f} GB per device")
+        print(f"fits: {gib(p.total_gb):.3f} GiB of {gib(budget):.2f} GiB per device")
         if (skip := sync_skip(cfg)) and p.step_time_s and skip[0].step_time_s < p.step_time_s:
             print(
-                f"also fits: train.fsdp_sync_every_microbatch=false ({skip[0].total_gb:.2f} GB per device, "
+                f"also fits: train.fsdp_sync_every_microbatch=false ({gib(skip[0].total_gb):.2f} GiB per device, "
                 f"step {skip[0].step_time_s:.4g} s instead of {p.step_time_s:.4g} s: one reduce-scatter per step)"
             )
         return 0
@@ -152,8 +153,8 @@ def cmd_plan(args: list[str]) -> int:
     print(f"suggestion: {format_suggestion(cfg, changes)}")
     hint = f"; fits with {' '.join(as_overrides(changes))}" if changes else "; nothing tried fits"
     print(
-        f"liftoff plan: does not fit: {p.total_gb:.2f} GB per device > {device.memory_gb:.2f} GB x "
-        f"preflight.memory_safety={safety} = {budget:.2f} GB{hint}",
+        f"liftoff plan: does not fit: {gib(p.total_gb):.2f} GiB per device > {gib(device.memory_gb):.2f} GiB x "
+        f"preflight.memory_safety={safety} = {gib(budget):.2f} GiB{hint}",
         file=sys.stderr,
     )
     return 1

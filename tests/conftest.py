@@ -191,3 +191,13 @@ class Trainer:
 @pytest.fixture
 def trainer(dataset_store, tmp_path) -> Trainer:
     return Trainer(dataset_store, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def one_process(dataset_store, tmp_path_factory):
+    """Trained once for the session: the HSDP, TP and PP tests compare their layouts with it."""
+    from tests.helpers import LAYOUT
+
+    return Trainer(dataset_store, tmp_path_factory.mktemp("one-process")).run(
+        *LAYOUT, "train.steps=10", "train.micro_batch_size=8"
+    )

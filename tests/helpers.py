@@ -40,6 +40,11 @@ FAST = [
     "preflight.membw_mb=8",
 ]
 
+# the one-process fp32 run the layout tests (HSDP, TP, PP) hold theirs to (the `one_process`
+# fixture): four blocks (two pipeline stages of two), 8 sequences a step, 10 steps
+LAYOUT = ["train.precision=fp32", "train.warmup_steps=2", "train.checkpoint_interval=10", "model.num_layers=4"]
+LAYOUT_BLOCKS = 4
+
 # one process in fp32: four whole runs of the DAG at toy size
 TOY = [*FAST, "cluster.nodes=1", "train.precision=fp32", "train.activation_checkpointing=false"]
 

@@ -618,6 +618,21 @@ MUTATIONS = [
         "left_out = {}",
         ("tests/pipeline/test_local_run.py::test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds",),
     ),
+    # issue 40, point 5: an honest plan on the CPU
+    Mutation(
+        "preflight: MFU computed against the measured throughput (82% on a CPU)",
+        "components/preflight/plan.py",
+        "        utilization = mfu(tps, fpt, peak_tflops, world)",
+        "        utilization = mfu(tps, fpt, peak_tflops or tflops, world)",
+        ("tests/pipeline/test_run_output.py::test_the_plan_times_the_step_within_2x_of_the_run_and_claims_no_mfu",),
+    ),
+    Mutation(
+        "preflight: the step timed at bf16's GEMM speed whatever the precision (emulated fp8 is slower)",
+        "components/preflight/stage.py",
+        "    dtype = gemm_dtype(measured, precision)\n    busbw",
+        '    dtype = "bf16"\n    busbw',
+        ("tests/pipeline/test_run_output.py::test_the_plan_times_the_step_within_2x_of_the_run_and_claims_no_mfu",),
+    ),
     Mutation(
         "sweep: a resumed Optuna study's sampler seeded as the first (it draws the first's points again)",
         "pipelines/sweep.py",

@@ -113,7 +113,7 @@ def test_a_relative_data_path_names_the_directory_it_is_relative_to(workdir):
 def test_a_model_that_cannot_fit(workdir):
     line = one_line(liftoff(workdir, "run", "model=70b", "preflight.device_memory_gb=24"))
     assert re.fullmatch(
-        r"liftoff run: the plan does not fit: [\d.]+ GB per device > 21\.6 GB \(this host, "
+        r"liftoff run: the plan does not fit: [\d.]+ GiB per device > 20\.1 GiB \(this host, "
         r"preflight\.memory_safety=0\.9\); .*; `liftoff plan` with these overrides says more",
         line,
     ), line

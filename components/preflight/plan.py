@@ -349,7 +349,7 @@ def _plan_rank(model, train, world, seq_len, share, tflops, peak_tflops, busbw_g
             comm += sends / (pp_bw * GB)
         step = compute + comm
         tps = tokens_per_replica * dp / step
-        utilization = mfu(tps, fpt, peak_tflops or tflops, world)
+        utilization = mfu(tps, fpt, peak_tflops, world)  # against a published peak only, never a measured one
     return Plan(
         params=sum(t[1] for t in full),
         param_tensors=len(tensors),

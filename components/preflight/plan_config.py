@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from components.config import Parallelism
 from components.preflight.plan import Plan, fits, host_memory_gb, plan
+from components.summaries import gib
 
 
 @dataclass
@@ -196,6 +197,6 @@ def plan_refusal(cfg) -> str | None:
         else f"no layout up to {cfg.cluster.nodes * 16} nodes fits: a smaller model or a shorter data.seq_len"
     )
     return (
-        f"the plan does not fit: {p.total_gb:.1f} GB per device > {device.memory_gb * safety:.1f} GB "
+        f"the plan does not fit: {gib(p.total_gb):.1f} GiB per device > {gib(device.memory_gb * safety):.1f} GiB "
         f"({device.name}, preflight.memory_safety={safety}); {nearest}; `liftoff plan` with these overrides says more"
     )

@@ -7,19 +7,23 @@ from collections.abc import Mapping
 
 from components.preflight.plan import Plan
 from components.preflight.plan_config import PlanDevice, as_overrides, plan_for, with_changes
+from components.summaries import gib
+
+# a measured throughput is no peak (on a CPU, emulated fp8 is measured as what it is): no MFU against it
+NO_PEAK = "none: no published peak for this device (cluster.gpu_type or train.peak_tflops)"
 
 
 def format_plan(p: Plan, device_memory_gb: float, safety: float) -> str:
     rows = [
         ("parameters", f"{p.params:,}"),
         ("world size", str(p.world)),
-        ("weights", f"{p.weights_gb:.3f} GB"),
-        ("gradients", f"{p.grads_gb:.3f} GB"),
-        ("AdamW state", f"{p.optimizer_gb:.3f} GB"),
-        ("precision copies", f"{p.precision_copies_gb:.3f} GB"),
-        ("activations", f"{p.activations_gb:.3f} GB"),
-        ("total per device", f"{p.total_gb:.3f} GB"),
-        ("budget per device", f"{device_memory_gb * safety:.3f} GB ({device_memory_gb:.1f} GB x {safety})"),
+        ("weights", f"{gib(p.weights_gb):.3f} GiB"),
+        ("gradients", f"{gib(p.grads_gb):.3f} GiB"),
+        ("AdamW state", f"{gib(p.optimizer_gb):.3f} GiB"),
+        ("precision copies", f"{gib(p.precision_copies_gb):.3f} GiB"),
+        ("activations", f"{gib(p.activations_gb):.3f} GiB"),
+        ("total per device", f"{gib(p.total_gb):.3f} GiB"),
+        ("budget per device", f"{gib(device_memory_gb * safety):.3f} GiB ({gib(device_memory_gb):.1f} GiB x {safety})"),
         ("FLOPs per token", f"{p.flops_per_token:.4g}"
          + (f" (+ {p.recompute_flops_per_token:.4g} recomputed)" if p.recompute_flops_per_token else "")),
     ]  # fmt: skip
@@ -27,7 +31,7 @@ def format_plan(p: Plan, device_memory_gb: float, safety: float) -> str:
         rows += [
             ("step time", f"{p.step_time_s:.4g} s (compute {p.compute_s:.4g} s, comm {p.comm_s:.4g} s, no overlap)"),
             ("tokens/s", f"{p.tokens_per_s:,.0f}"),
-            ("MFU", f"{p.mfu:.1%}"),
+            ("MFU", f"{p.mfu:.1%}" if p.mfu is not None else NO_PEAK),
         ]
     return _rows(rows)
 
@@ -75,7 +79,7 @@ def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
         ("parallelism", t.parallelism.value + _hsdp(t, p.world) + _tp(t, p.world) + _pp(t, p.world)),
         ("activation ckpt", ac),
         ("device", d.name),
-        ("device memory", f"{d.memory_gb:.1f} GB: {d.memory_source}"),
+        ("device memory", f"{gib(d.memory_gb):.1f} GiB: {d.memory_source}"),
         ("peak", f"{d.peak_tflops:g} TFLOP/s: {d.peak_source}" if d.peak_tflops else d.peak_source),
         ("efficiency", f"compute at {d.efficiency:.0%} of peak, MFU <= {d.efficiency:.0%}: {d.efficiency_source}"),
         ("bus bandwidth", busbw + d.busbw_source),
@@ -141,6 +145,6 @@ def format_suggestion(cfg, changes: dict | None) -> str:
     batch = global_batch(cfg), global_batch(changed)
     batch_note = f", global batch {batch[0]:,} -> {batch[1]:,} sequences" if batch[0] != batch[1] else ""
     return (
-        f"{' '.join(as_overrides(changes))}  ({p.world} devices, {p.total_gb:.2f} of {budget:.2f} GB per device"
-        f"{batch_note})"
+        f"{' '.join(as_overrides(changes))}  ({p.world} devices, {gib(p.total_gb):.2f} of {gib(budget):.2f} GiB"
+        f" per device{batch_note})"
     )

@@ -24,6 +24,7 @@ from components.config.rules import train_rules
 from components.preflight.plan import Plan, fits
 from components.preflight.plan_config import AC, MICRO_BATCH, PARALLELISM, as_overrides, plan_for, with_changes
 from components.preflight.plan_format import global_batch
+from components.summaries import gib
 
 SYNC, ACCUM, REPLICATE = "train.fsdp_sync_every_microbatch", "train.grad_accum_steps", "train.dp_replicate"
 TP, PP, SCHEDULE = "train.tp", "train.pp", "train.pp_schedule"
@@ -117,16 +118,16 @@ def format_search(cfg, found: list[Layout], top: int = 12) -> str:
         f"(world {world}), global batch fixed: {len(found)} fit"
         + (f", the fastest {top} shown" if len(found) > top else "")
     )
-    rows = [("#", "GB/device", "step s", "tokens/s", "MFU", "overrides")]
+    rows = [("#", "GiB/device", "step s", "tokens/s", "MFU", "overrides")]
     for i, layout in enumerate(found[:top], 1):
         p = layout.plan
         timed = p.step_time_s is not None
         rows.append((
             str(i),
-            f"{p.total_gb:.1f}",
+            f"{gib(p.total_gb):.1f}",
             f"{p.step_time_s:.3g}" if timed else "-",
             f"{p.tokens_per_s:,.0f}" if timed else "-",
-            f"{p.mfu:.1%}" if timed else "-",
+            f"{p.mfu:.1%}" if p.mfu is not None else "-",
             " ".join(as_overrides(layout.changes)) or "(as configured)",
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]

@@ -25,6 +25,7 @@ from components.config import (
     StoreConfig,
     TrainConfig,
 )
+from components.devices import peak_tflops
 from components.launcher import Launch, replica_store, run_app
 from components.precision import recipe
 from components.preflight import bench, numerics
@@ -35,7 +36,7 @@ from components.preflight.plan_format import format_plan
 from components.preflight.spec import PreflightSpec
 from components.preflight.verdict import NodeVerdict, floors_for, judge, max_age_min, outliers_for
 from components.store import ArtifactStore, Ref, StoreError
-from components.summaries import NodeRow, PreflightSummary
+from components.summaries import NodeRow, PreflightSummary, gib
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ def run_preflight(
         seq_len,
         vocab,
         tflops=tflops,
-        peak_tflops=train.peak_tflops,
+        peak_tflops=train.peak_tflops or (peak_tflops(cluster.gpu_type) if cluster.gpu_type else None),
         busbw_gbps=busbw if world > 1 else None,
         tp_busbw_gbps=tp_group_busbw(train, cluster),  # the table's NVLink: preflight measures the world's
     )
@@ -375,8 +376,8 @@ def gate_problems(result: PreflightResult, cfg: PreflightConfig) -> list[str]:
         )
     if not fits(result.plan, result.device_memory_gb, cfg.memory_safety):
         problems.append(
-            f"planned memory {result.plan.total_gb:.2f} GB per device exceeds {result.device_memory_gb:.2f}"
-            f" GB x preflight.memory_safety={cfg.memory_safety} = "
-            f"{result.device_memory_gb * cfg.memory_safety:.2f} GB"
+            f"planned memory {gib(result.plan.total_gb):.2f} GiB per device exceeds {gib(result.device_memory_gb):.2f}"
+            f" GiB x preflight.memory_safety={cfg.memory_safety} = "
+            f"{gib(result.device_memory_gb * cfg.memory_safety):.2f} GiB"
         )
     return problems

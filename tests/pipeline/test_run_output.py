@@ -70,6 +70,28 @@ def test_a_run_prints_a_status_line_per_stage_and_ends_with_the_report(default_r
     assert re.search(folder, default_run.stdout, re.M)
 
 
+def test_the_plan_times_the_step_within_2x_of_the_run_and_claims_no_mfu(default_run, workdir):
+    """Issue 40, acceptance 5: on the CPU the plan times a step from the GEMM throughput preflight
+    measured for the precision the run trains in (emulated fp8 measured as what it is), within
+    2x of the steps the run then trained (their median, the first left out: warm-up), and shows
+    no MFU: a measured throughput is no peak."""
+    import statistics
+
+    from components.config import defaults
+    from components.plots import read_records
+    from components.store import Ref, open_store
+
+    report = workdir / re.search(r"^preflight: (\S+)$", default_run.stdout, re.M).group(1)
+    planned = float(re.search(r"^step time\s+([\d.e-]+) s ", report.read_text(), re.M).group(1))
+    (mfu,) = re.findall(r"^MFU\s+(.*)$", report.read_text(), re.M)
+    assert mfu.startswith("none: no published peak") and "%" not in mfu, mfu
+    model = re.search(r"^  (model/tiny@[\w-]+)  <- ", default_run.stdout, re.M).group(1)
+    store = open_store(defaults("store", root=str(workdir / "artifacts"), cache_dir=str(workdir / "probe")))
+    steps, _ = read_records(store.fetch(Ref.parse(model)) / "training_metrics.jsonl")
+    measured = statistics.median(r["step_s"] for r in steps[1:])
+    assert len(steps) == 10 and 0.5 <= planned / measured <= 2.0, (planned, measured)
+
+
 def test_the_run_folder_keeps_the_config_overrides_and_full_log(default_run, workdir):
     from components.config import compose
 

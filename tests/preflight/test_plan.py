@@ -126,7 +126,7 @@ def test_70b_on_one_80gb_device_does_not_fit(capsys):
     assert not fits(p, 80, 0.9) and p.total_gb > 1000
     assert main(["plan", "model=70b", "preflight.device_memory_gb=80"]) == 1
     out = capsys.readouterr()
-    assert "does not fit" in out.err and "72.00 GB" in out.err and "total per device" in out.out
+    assert "does not fit" in out.err and "67.06 GiB" in out.err and "total per device" in out.out
 
 
 def test_plan_command_passes_for_the_tiny_model(capsys):
@@ -149,7 +149,7 @@ def test_plan_prints_its_inputs_and_warns_of_the_tiny_experiments_seq_len(capsys
         r"precision\s+fp8",
         r"parallelism\s+ddp",
         r"activation ckpt\s+on",
-        r"device memory\s+[\d.]+ GB: this host's RAM",
+        r"device memory\s+[\d.]+ GiB: this host's RAM",
     ]:
         assert re.search(f"^{row}", out, re.M), row
     assert "warning: seq_len 64" in out and "data.seq_len=4096" in out
@@ -161,8 +161,8 @@ def test_plan_prints_its_inputs_and_warns_of_the_tiny_experiments_seq_len(capsys
 def test_gpu_type_gives_device_memory_from_the_table_and_says_so(capsys):
     assert main(["plan", "cluster=kubernetes", "cluster.gpu_type=H200"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^device memory\s+141.0 GB: cluster.gpu_type=H200", out, re.M)
-    assert "126.900 GB (141.0 GB x 0.9)" in out and re.search(r"^peak\s+989.4 TFLOP/s", out, re.M)
+    assert re.search(r"^device memory\s+131.3 GiB: cluster.gpu_type=H200", out, re.M)
+    assert "118.185 GiB (131.3 GiB x 0.9)" in out and re.search(r"^peak\s+989.4 TFLOP/s", out, re.M)
     assert "cluster.procs_per_node=8 uses them all" in out  # the tiny experiment's 1 process per 8-GPU node
     _, device = plan_for(_cfg("cluster=kubernetes", "cluster.gpu_type=B200"))
     assert device.memory_gb == 180
@@ -263,7 +263,7 @@ def test_the_plan_says_when_skipping_the_sync_between_micro_batches_also_fits(ca
     assert main(["plan", *small]) == 0
     [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("also fits:")]
     skip, d = plan_for(_cfg(*small, "train.fsdp_sync_every_microbatch=false"))
-    assert fits(skip, d.memory_gb, 0.9) and f"{skip.total_gb:.2f} GB per device" in line
+    assert fits(skip, d.memory_gb, 0.9) and f"{skip.total_gb * 1e9 / 2**30:.2f} GiB per device" in line
 
 
 SEARCH_70B = ["model=70b", "cluster=kubernetes", "cluster.nodes=4", "cluster.procs_per_node=8", "data.seq_len=4096",
@@ -443,10 +443,10 @@ def test_plan_says_where_validate_and_evaluate_load_the_model_by_the_stages_own_
 
     assert main(["plan", "experiment=h200-70b"]) == 0
     out = capsys.readouterr().out
-    line = re.search(r"^validate/evaluate: on 64 launched ranks .* = ([\d.]+) GB of 141\.0 GB$", out, re.M)
-    assert line and float(line.group(1)) < 141.0, out
+    line = re.search(r"^validate/evaluate: on 64 launched ranks .* = ([\d.]+) GiB of 131\.3 GiB$", out, re.M)
+    assert line and float(line.group(1)) < 131.3, out
     main(["plan", "experiment=h200-70b", "kfp.eval_memory_gb=1000"])
-    pod = r"^validate/evaluate: in their KFP pod: 3 x 2\d\d GB of fp32 weights"
+    pod = r"^validate/evaluate: in their KFP pod: 3 x 2\d\d GiB of fp32 weights"
     assert re.search(pod, capsys.readouterr().out, re.M)
 
     cfg = OmegaConf.to_object(compose([]))

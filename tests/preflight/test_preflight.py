@@ -177,7 +177,7 @@ def test_by_default_every_node_must_pass_and_a_node_counts_once_whatever_its_dev
 
 def test_plan_that_does_not_fit_fails_the_gate(trainer):
     cfg, result = preflight(trainer, "preflight.device_memory_gb=0.001")
-    with pytest.raises(PreflightFailed, match="planned memory .* GB per device exceeds 0.00 GB"):
+    with pytest.raises(PreflightFailed, match="planned memory .* GiB per device exceeds 0.00 GiB"):
         gate(result)
 
 

@@ -8,10 +8,10 @@ import math
 from components.plots import read_records
 from tests.conftest import Trainer
 from tests.faults import injected, read_batches
-from tests.helpers import TWO_NODES, assert_trains_like, final_weights, stored_checkpoints
+from tests.helpers import LAYOUT, TWO_NODES, assert_trains_like, final_weights, stored_checkpoints
 
 # four blocks: two stages of two (1F1B), or four of one, two per rank (interleaved 1F1B)
-COMMON = ["train.precision=fp32", "train.warmup_steps=2", "train.checkpoint_interval=10", "model.num_layers=4"]
+COMMON = LAYOUT
 BLOCK_PARAMS = 9  # q, k, v, o, gate, up, down and two norms
 
 
@@ -19,17 +19,15 @@ def losses_of(run) -> list[float]:
     return [r["loss"] for r in read_records(run.metrics)[0]]
 
 
-def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer):
+def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer, one_process):
     """PP=2 with 1F1B, interleaved 1F1B and GPipe (2 nodes x 1 process, 2 micro-batches of 4
     through the stages) and PP=2 x FSDP=2 (2 nodes x 2 processes, 2 x 2 each): the global batch
     of one process with 8. fp32, 10 steps: losses within 1e-4 relative and exported weights
     within 1e-4 of the one process. Rank 0's live module holds only its stages' parameters:
     the embeddings and blocks 0-1 (1F1B), blocks 0 and 2 (interleaved)."""
     common = [*COMMON, "train.steps=10"]
-    one = trainer.run(*common, "train.micro_batch_size=8")
-    pp = Trainer(trainer.dataset_store, trainer.tmp / "pp").run(
-        *common, *TWO_NODES, "train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2"
-    )
+    one = one_process  # tests/conftest.py: trained once for the layout tests
+    pp = trainer.run(*common, *TWO_NODES, "train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2")
     inter = Trainer(trainer.dataset_store, trainer.tmp / "inter").run(
         *common, *TWO_NODES, "train.pp=2", "train.pp_schedule=interleaved_1f1b", "train.micro_batch_size=4",
         "train.grad_accum_steps=2",

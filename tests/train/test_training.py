@@ -21,6 +21,8 @@ from components.train.resume import ResumeError
 from tests.conftest import TRAIN_SHARDS, Trainer
 from tests.faults import injected, read_batches
 from tests.helpers import (
+    LAYOUT,
+    LAYOUT_BLOCKS,
     TWO_NODES,
     assert_trains_like,
     events,
@@ -29,14 +31,7 @@ from tests.helpers import (
     stored_checkpoints,
 )
 
-# the one-process fp32 reference the layouts below are held to: 8 sequences a step, 10 steps
-REFERENCE = ["train.precision=fp32", "train.steps=10", "train.warmup_steps=2", "train.checkpoint_interval=10"]
-
-
-@pytest.fixture(scope="module")
-def one_process(dataset_store, tmp_path_factory):
-    """Trained once for the module: the HSDP and TP tests compare their layouts with it."""
-    return Trainer(dataset_store, tmp_path_factory.mktemp("one-process")).run(*REFERENCE, "train.micro_batch_size=8")
+REFERENCE = [*LAYOUT, "train.steps=10"]  # the one-process reference's config (tests/conftest.py)
 
 
 def node_checkpoints(run, node: int) -> Path:
@@ -435,7 +430,7 @@ def test_hsdp_2x2_on_two_nodes_trains_the_losses_and_weights_of_one_process(trai
     )  # fmt: skip
     from components.train.model import build_model
 
-    params = len(list(build_model(defaults("model"), 1024, seed=0).parameters()))
+    params = len(list(build_model(defaults("model", num_layers=LAYOUT_BLOCKS), 1024, seed=0).parameters()))
     assert hsdp.result.world == 4 and hsdp.result.wrapped_modules["hsdp_params"] == params
     assert one.result.wrapped_modules["hsdp_params"] == 0
     losses = [[r["loss"] for r in read_records(run.metrics)[0]] for run in (one, hsdp)]
@@ -481,9 +476,12 @@ def test_tensor_parallel_trains_the_losses_and_weights_of_one_process(trainer, o
         *REFERENCE, "cluster.nodes=2", "cluster.procs_per_node=2", "train.parallelism=fsdp", "train.tp=2",
         "train.micro_batch_size=4",
     )  # fmt: skip
-    split = 7 * defaults("model").num_layers + 1  # q, k, v, o, gate, up, down per block, and the head
+    split = 7 * LAYOUT_BLOCKS + 1  # q, k, v, o, gate, up, down per block, and the head
     assert tp.result.wrapped_modules["tp_params"] == split and tp.result.wrapped_modules["fsdp"] == 0
-    assert tp_fsdp.result.wrapped_modules["tp_params"] == split and tp_fsdp.result.wrapped_modules["fsdp"] == 3
+    assert (
+        tp_fsdp.result.wrapped_modules["tp_params"] == split
+        and tp_fsdp.result.wrapped_modules["fsdp"] == LAYOUT_BLOCKS + 1
+    )
     assert one.result.wrapped_modules["tp_params"] == 0
     assert_trains_like(one, (tp, tp_fsdp))
 
