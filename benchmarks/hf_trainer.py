@@ -25,18 +25,13 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import CORPUS, report
+from benchmarks.common import CORPUS, TRAIN_SHAPE, report
 
 STEPS = int(os.environ.get("BENCH_HF_STEPS", "40"))
 RUNS = int(os.environ.get("BENCH_HF_RUNS", "3"))
 WARMUP = max(1, STEPS // 4)  # timed: steps in (WARMUP, STEPS]
 SHAPE = [
-    "model.hidden_size=256",
-    "model.num_layers=4",
-    "model.num_heads=4",
-    "model.num_kv_heads=4",
-    "model.ffn_hidden_size=768",
-    "train.micro_batch_size=16",
+    *TRAIN_SHAPE,
     f"train.steps={STEPS}",
     "train.warmup_steps=2",
     f"train.checkpoint_interval={STEPS}",  # after the window: Trainer saves nothing

@@ -20,17 +20,12 @@ import tempfile
 
 from omegaconf import OmegaConf
 
-from benchmarks.common import CORPUS, report
+from benchmarks.common import CORPUS, TRAIN_SHAPE, report
 
 STEPS, WARMUP = 120, 20
 RUNS = int(os.environ.get("BENCH_CHECK_RUNS", "3"))
 SHAPE = [
-    "model.hidden_size=256",
-    "model.num_layers=4",
-    "model.num_heads=4",
-    "model.num_kv_heads=4",
-    "model.ffn_hidden_size=768",
-    "train.micro_batch_size=16",
+    *TRAIN_SHAPE,
     f"train.steps={STEPS}",
     "train.warmup_steps=2",
     f"train.checkpoint_interval={STEPS}",

@@ -33,19 +33,14 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from benchmarks.common import CORPUS, report
+from benchmarks.common import CORPUS, TRAIN_SHAPE, report
 
 STEPS = int(os.environ.get("BENCH_TRAIN_STEPS", "40"))
 RUNS = int(os.environ.get("BENCH_TRAIN_RUNS", "3"))
 CHECKPOINT_INTERVAL = max(1, STEPS // 4)
 WINDOW = (CHECKPOINT_INTERVAL, STEPS // CHECKPOINT_INTERVAL * CHECKPOINT_INTERVAL)  # timed: steps in (start, end]
 SHAPE = [
-    "model.hidden_size=256",
-    "model.num_layers=4",
-    "model.num_heads=4",
-    "model.num_kv_heads=4",
-    "model.ffn_hidden_size=768",
-    "train.micro_batch_size=16",
+    *TRAIN_SHAPE,
     f"train.steps={STEPS}",
     "train.warmup_steps=2",
     f"train.checkpoint_interval={CHECKPOINT_INTERVAL}",
