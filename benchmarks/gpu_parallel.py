@@ -121,6 +121,8 @@ def launch(nprocs: int, todo: list[tuple[str, str]], args: list[str]) -> list[di
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
     rows = {r.pop("case"): r for r in map(json.loads, (ln for ln in proc.stdout.splitlines() if ln.startswith("{")))}
+    if proc.returncode:  # a launch that failed fails every case in it, rows printed or not
+        rows = {}
     failed = proc.returncode or "no row"
     return [rows.get(f"{layout}/{precision}") or {"kind": "parallel", "layout": layout, "precision": precision,
                                                   "failed": failed} for layout, precision in todo]  # fmt: skip

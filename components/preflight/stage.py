@@ -36,7 +36,7 @@ from components.preflight.plan_format import format_plan
 from components.preflight.spec import PreflightSpec
 from components.preflight.verdict import NodeVerdict, floors_for, judge, max_age_min, outliers_for
 from components.store import ArtifactStore, Ref, StoreError
-from components.summaries import NodeRow, PreflightSummary, gib
+from components.summaries import GIB_PER_GB, NodeRow, PreflightSummary, gib
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +139,13 @@ def report_markdown(result: PreflightResult, cfg: PreflightConfig, problems: lis
     if result.reused_min is not None:
         lines += [f"Measurements {result.ref}, reused ({result.reused_min:.0f} min old).", ""]
     lines += [f"- {p}" for p in problems] + ([""] if problems else [])
-    lines += ["| node | verdict | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+    # sizes the nodes record in GB (1e9 bytes) are shown in GiB, as every figure the run prints
+    heads = [f"{m[:-3]}_gib" if m.endswith("_gb") else m for m in metrics]
+    lines += ["| node | verdict | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(metrics)]
     for node, v in zip(result.nodes, result.verdicts, strict=True):
-        cells = " | ".join(f"{node.get(m, float('nan')):.4g}" for m in metrics)
+        cells = " | ".join(
+            f"{node.get(m, float('nan')) * (GIB_PER_GB if m.endswith('_gb') else 1):.4g}" for m in metrics
+        )
         lines.append(f"| {node['host']}#{node['rank']} | {'healthy' if v.healthy else 'UNHEALTHY'} | {cells} |")
     lines += ["", "## Unhealthy nodes", ""]
     lines += [f"- **{n}**: " + "; ".join(r) for n, r in result.unhealthy.items()] or ["none"]

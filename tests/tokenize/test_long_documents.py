@@ -4,7 +4,7 @@ The acceptance case: a 50 MB single-line JSONL document (data.max_doc_bytes admi
 through the whole tokenize stage (the plan's BPE trains on it too) in a child process,
 which reports its own peak RSS: under 2 GiB (0.8 GB measured; unchunked it was 12.7 GB,
 and an 8 MB line alone took 1.6 GB). ~22 s on 2 cores, so `make test` runs a 16 MB line (which
-unchunked would take ~3 GB) and `make chaos` the 50 MB one.
+unchunked took 2.7 GB) and `make chaos` the 50 MB one.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def check_long_document(tmp_path, mb: int, budget_mb: int) -> dict:
 
 @pytest.mark.parametrize(
     "mb", [16, pytest.param(50, marks=pytest.mark.chaos_slow)]
-)  # 16 MB unchunked would take ~3 GB; the 50 MB acceptance case is in `make chaos`
+)  # 16 MB unchunked took 2.7 GB; the 50 MB acceptance case is in `make chaos`
 def test_a_long_line_tokenizes_in_under_2gib(tmp_path, mb):
     got = check_long_document(tmp_path, mb, budget_mb=2048)
     print(f"{mb} MB line: peak RSS {got['peak_rss_mb']} MB, {got['seconds']} s")

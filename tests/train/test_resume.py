@@ -187,8 +187,7 @@ def test_two_runs_of_one_identity_against_one_store_one_trains_the_other_refuses
     assert f"training identity {trained[0].identity} is held by" in str(refused[0])
 
 
-@pytest.mark.parametrize("backend", ["minio"])  # the cluster's store; test_store.py holds both backends' ranges
-def test_a_resuming_node_fetches_only_the_blocks_its_ranks_load(dataset_store, tmp_path, backend, request):
+def test_a_resuming_node_fetches_only_the_blocks_its_ranks_load(dataset_store, tmp_path, s3_env, s3_traffic):
     """FSDP over 2 nodes saves steps 10 and 12, its shard files (each rank's weights and its
     optimizer state) hashed in 16 KiB blocks; step 12 and the model are deleted from the store
     and the node disks wiped (new pods). The rerun resumes step 10: each node fetches its own
@@ -196,13 +195,10 @@ def test_a_resuming_node_fetches_only_the_blocks_its_ranks_load(dataset_store, t
     other rank's shard file, only the blocks of the items every rank reads (param groups, step
     counts), never the other rank's shards. Counted on the nodes' disks (a sparse file's
     allocated bytes) and, over S3, in the bytes the server sent per object. The rerun trains
-    steps 11-12 to the uninterrupted run's weights."""
-    if backend == "minio":
-        request.getfixturevalue("s3_env")
-        traffic = request.getfixturevalue("s3_traffic")
-        trainer = s3_trainer(dataset_store, tmp_path, f"t-{uuid.uuid4().hex[:12]}")
-    else:
-        trainer = Trainer(dataset_store, tmp_path)
+    steps 11-12 to the uninterrupted run's weights. On the cluster's store, S3 (the local store's
+    range reads: tests/test_store.py)."""
+    traffic = s3_traffic
+    trainer = s3_trainer(dataset_store, tmp_path, f"t-{uuid.uuid4().hex[:12]}")
     config = [*TWO_NODES, *SHORT[2:], "train.parallelism=fsdp", "train.steps=12", "train.checkpoint_interval=10"]
     block = 16 * 1024
     first = trainer.run(*config, f"train.checkpoint_block_kib={block // 1024}")
@@ -215,7 +211,7 @@ def test_a_resuming_node_fetches_only_the_blocks_its_ranks_load(dataset_store, t
     shards = {n: e["size"] for n, e in at10.files.items() if n.endswith(".distcp")}
     assert sorted(shards) == ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]  # weights, optimizer
     prefix = f"{trainer.store_cfg.bucket}/{at10.ref.prefix}/"
-    before = dict(traffic.under(prefix)) if backend == "minio" else {}
+    before = dict(traffic.under(prefix))
 
     again = trainer.run(*config, f"train.checkpoint_block_kib={block // 1024}")
     assert again.result.resumed_from == str(at10.ref) and again.result.start_step == 10
@@ -232,9 +228,9 @@ def test_a_resuming_node_fetches_only_the_blocks_its_ranks_load(dataset_store, t
             assert allocated(theirs) <= min(most, 0.5 * shards[theirs.name]), (theirs, allocated(theirs), most)
             partial += [theirs] if allocated(theirs) > 0 else []
     assert partial  # some rank saved the items every rank reads (param groups, step counts)
-    if backend == "minio":
-        after = traffic.under(prefix)
-        sent = {n: after.get(prefix + n, 0) - before.get(prefix + n, 0) for n in shards}
-        # each file went whole to its rank's node, and to the other node only its shared blocks
-        for n in shards:
-            assert shards[n] <= sent[n] <= shards[n] + shared_bytes(whole, n, block), (n, sent, shards)
+    # what the S3 server sent
+    after = traffic.under(prefix)
+    sent = {n: after.get(prefix + n, 0) - before.get(prefix + n, 0) for n in shards}
+    # each file went whole to its rank's node, and to the other node only its shared blocks
+    for n in shards:
+        assert shards[n] <= sent[n] <= shards[n] + shared_bytes(whole, n, block), (n, sent, shards)
