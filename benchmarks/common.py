@@ -27,6 +27,22 @@ def rss_mb(kind: str = "VmRSS") -> float:
     raise RuntimeError(f"no {kind} in /proc/self/status")
 
 
+def steady_rate(stamps: dict[int, float], tokens_per_step: int, window: tuple[int, int]) -> float:
+    """tokens/s over the steps in (start, end] of `window`, from {step: the time it ended}."""
+    start, end = window
+    return tokens_per_step * (end - start) / (stamps[end] - stamps[start])
+
+
+def report_interleaved(name: str, ours: list[float], baseline: list[float], sides: tuple[str, str], **extra) -> None:
+    """Runs interleaved ours, baseline, ours, ...: the best of each side against the other (tokens/s),
+    and the spread of the per-pair ratios (single runs on a shared VM move by +-10%)."""
+    pairs = [o / b for o, b in zip(ours, baseline, strict=True)]
+    print(f"runs: {sides[0]} {[round(r) for r in ours]}, {sides[1]} {[round(r) for r in baseline]} tokens/s")
+    print(f"best: {sides[0]} {max(ours):,.0f} vs {sides[1]} {max(baseline):,.0f} tokens/s; pair ratios {pairs}")
+    report(name, max(ours), max(baseline), "tokens/s", runs=len(ours), **extra,
+           pair_ratio_min=min(pairs), pair_ratio_max=max(pairs))  # fmt: skip
+
+
 def report(name: str, value: float, baseline: float, unit: str, **extra) -> None:
     """The last line every benchmark prints."""
     print(

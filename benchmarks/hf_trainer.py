@@ -25,7 +25,7 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import CORPUS, TRAIN_SHAPE, report
+from benchmarks.common import CORPUS, TRAIN_SHAPE, report_interleaved, steady_rate
 
 STEPS = int(os.environ.get("BENCH_HF_STEPS", "40"))
 RUNS = int(os.environ.get("BENCH_HF_RUNS", "3"))
@@ -43,10 +43,6 @@ SHAPE = [
     "train.precision=bf16",
     "train.activation_checkpointing=false",
 ]
-
-
-def steady_rate(stamps: dict[int, float], tokens_per_step: int) -> float:
-    return tokens_per_step * (STEPS - WARMUP) / (stamps[STEPS] - stamps[WARMUP])
 
 
 def hf_side(blocks_path: str) -> None:
@@ -85,7 +81,7 @@ def hf_side(blocks_path: str) -> None:
         model = build_model(cfg.model, cfg.model.vocab_size or 1024, t.seed)
         Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[Stamps()]).train()
     tokens = t.micro_batch_size * cfg.data.seq_len
-    print(json.dumps({"hf_tokens_per_s": steady_rate(stamps, tokens)}))
+    print(json.dumps({"hf_tokens_per_s": steady_rate(stamps, tokens, (WARMUP, STEPS))}))
 
 
 def run_hf(blocks_path: str) -> float:
@@ -134,21 +130,10 @@ def main() -> None:
             result = run_train(dataset, cfg.model, cfg.train, cfg.cluster, cfg.store, store, cache_gb=cfg.data.cache_gb)
             steps, _ = read_records(result.metrics)
             tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-            ours_runs.append(steady_rate({s["step"]: s["time"] for s in steps}, tokens))
+            ours_runs.append(steady_rate({s["step"]: s["time"] for s in steps}, tokens, (WARMUP, STEPS)))
             hf_runs.append(run_hf(f"{tmp}/blocks.pt"))
-    ours, hf = max(ours_runs), max(hf_runs)
-    pair_ratios = [o / h for o, h in zip(ours_runs, hf_runs, strict=True)]
-    print(f"runs: liftoff {[round(r) for r in ours_runs]}, Trainer {[round(r) for r in hf_runs]} tokens/s")
-    print(f"best: liftoff {ours:,.0f} vs transformers.Trainer {hf:,.0f} tokens/s; pair ratios {pair_ratios}")
-    report(
-        "hf_trainer",
-        ours,
-        hf,
-        "tokens/s",
-        runs=RUNS,
-        window_steps=[WARMUP, STEPS],
-        pair_ratio_min=min(pair_ratios),
-        pair_ratio_max=max(pair_ratios),
+    report_interleaved(
+        "hf_trainer", ours_runs, hf_runs, ("liftoff", "transformers.Trainer"), window_steps=[WARMUP, STEPS]
     )
 
 

@@ -20,7 +20,7 @@ import tempfile
 
 from omegaconf import OmegaConf
 
-from benchmarks.common import CORPUS, TRAIN_SHAPE, report
+from benchmarks.common import CORPUS, TRAIN_SHAPE, report_interleaved, steady_rate
 
 STEPS, WARMUP = 120, 20
 RUNS = int(os.environ.get("BENCH_CHECK_RUNS", "3"))
@@ -67,13 +67,9 @@ def main() -> None:
                 assert not [e for e in records if e["kind"] in ("sdc", "sdc_mismatch", "rollback")], "a check fired"
                 stamps = {s["step"]: s["time"] for s in steps}
                 tokens = cfg.train.micro_batch_size * cfg.data.seq_len * world
-                rates[side].append(tokens * (STEPS - WARMUP) / (stamps[STEPS] - stamps[WARMUP]))
-    ours, bare = max(rates["checks"]), max(rates["none"])
-    pairs = [c / n for c, n in zip(rates["checks"], rates["none"], strict=True)]
-    print(f"runs: checks {[round(r) for r in rates['checks']]}, none {[round(r) for r in rates['none']]} tokens/s")
-    print(f"best: with checks {ours:,.0f} vs without {bare:,.0f} tokens/s on 2 ranks; pair ratios {pairs}")
-    report("run_checks", ours, bare, "tokens/s", world=world, runs=RUNS, sdc_interval=50,
-           window_steps=[WARMUP, STEPS], pair_ratio_min=min(pairs), pair_ratio_max=max(pairs))  # fmt: skip
+                rates[side].append(steady_rate(stamps, tokens, (WARMUP, STEPS)))
+    report_interleaved("run_checks", rates["checks"], rates["none"], ("with checks", "without"), world=world,
+                       sdc_interval=50, window_steps=[WARMUP, STEPS])  # fmt: skip
 
 
 if __name__ == "__main__":

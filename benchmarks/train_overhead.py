@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from benchmarks.common import CORPUS, TRAIN_SHAPE, report
+from benchmarks.common import CORPUS, TRAIN_SHAPE, report_interleaved
+from benchmarks.common import steady_rate as rate_over
 
 STEPS = int(os.environ.get("BENCH_TRAIN_STEPS", "40"))
 RUNS = int(os.environ.get("BENCH_TRAIN_RUNS", "3"))
@@ -108,8 +109,7 @@ def bare_loop(store_root: str, cache_dir: str, dataset: str) -> None:
 
 def steady_rate(stamps: dict[int, float], tokens_per_step: int) -> float:
     """tokens/s over the steps in WINDOW from {step: the time it ended}: whole checkpoint intervals."""
-    start, end = WINDOW
-    return tokens_per_step * (end - start) / (stamps[end] - stamps[start])
+    return rate_over(stamps, tokens_per_step, WINDOW)
 
 
 def run_bare(store_root: str, cache_dir: str, dataset: str) -> float:
@@ -148,22 +148,15 @@ def main() -> None:
             tokens = cfg.train.micro_batch_size * cfg.data.seq_len * world
             ours_runs.append(steady_rate({s["step"]: s["time"] for s in steps}, tokens))
             bare_runs.append(run_bare(f"{tmp}/store", f"{tmp}/bare-cache-{attempt}", str(ds.manifest.ref)))
-    ours, bare = max(ours_runs), max(bare_runs)
-    pair_ratios = [o / b for o, b in zip(ours_runs, bare_runs, strict=True)]
-    print(f"runs: liftoff {[round(r) for r in ours_runs]}, bare {[round(r) for r in bare_runs]} tokens/s")
-    print(f"best: liftoff {ours:,.0f} vs bare DDP {bare:,.0f} tokens/s on 2 ranks; pair ratios {pair_ratios}")
-    report(
+    report_interleaved(
         "train_overhead",
-        ours,
-        bare,
-        "tokens/s",
+        ours_runs,
+        bare_runs,
+        ("liftoff", "bare DDP"),
         world=world,
-        runs=RUNS,
         checkpoint_interval=CHECKPOINT_INTERVAL,
         checkpoint_async=cfg.train.checkpoint_async,
         window_steps=list(WINDOW),
-        pair_ratio_min=min(pair_ratios),
-        pair_ratio_max=max(pair_ratios),
     )
 
 

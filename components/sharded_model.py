@@ -22,6 +22,7 @@ from components.checkpoint_fetch import everyone, fetch_for_node, read_ranges
 from components.checkpoint_format import MODEL_KEY, CheckpointError, load_state
 from components.config import ClusterConfig, EvalConfig, StoreConfig
 from components.store import ArtifactStore, IntegrityError, Manifest, Ref, StoreError
+from components.summaries import gib
 from components.worker_side import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def eval_plan(cfg, params: int, root_params: int, device_memory_gb: float) -> tu
     forward) and what a device holds there: (the plan's line, whether it fits)."""
     weights, ev = params * 4, cfg.eval
     if fits_pod(ev.launch, weights, cfg.kfp.eval_memory_gb):
-        pod_gib = cfg.kfp.eval_memory_gb * 1e9 / 2**30
+        pod_gib = gib(cfg.kfp.eval_memory_gb)
         return (f"in their KFP pod: {POD_COPIES} x {weights / 2**30:.3g} GiB of fp32 weights within "
                 f"kfp.eval_memory_gb={cfg.kfp.eval_memory_gb:g} ({pod_gib:.3g} GiB)"), True  # fmt: skip
     world = cfg.cluster.nodes * cfg.cluster.procs_per_node
@@ -65,10 +66,9 @@ def eval_plan(cfg, params: int, root_params: int, device_memory_gb: float) -> tu
     shards = (weights - root_params * 4) / world + root_params * 4
     logits = 2 * ev.batch_size * cfg.data.seq_len * vocab * 4  # a batch's fp32 logits and their loss
     need = (shards + logits) / 1e9
-    gib = 1e9 / 2**30  # what is printed is in GiB (sizes here in GB, as the device tables give them)
     line = (f"on {world} launched ranks (eval.launch={ev.launch}): {shards / 2**30:.2f} GiB of fp32 weights per "
             f"device (its shards, the embeddings and head whole) + {logits / 2**30:.2f} GiB of logits "
-            f"(eval.batch_size={ev.batch_size}) = {need * gib:.2f} GiB of {device_memory_gb * gib:.1f} GiB"
+            f"(eval.batch_size={ev.batch_size}) = {gib(need):.2f} GiB of {gib(device_memory_gb):.1f} GiB"
             )  # fmt: skip
     return line, need <= device_memory_gb
 

@@ -41,12 +41,7 @@ def plan_device(cfg) -> PlanDevice:
         memory, memory_source = spec.memory_gb, table
     else:
         memory, memory_source = host_memory_gb(), "this host's RAM (cluster.gpu_type is null)"
-    if cfg.train.peak_tflops:
-        peak, peak_source = cfg.train.peak_tflops, "train.peak_tflops"
-    elif spec:
-        peak, peak_source = spec.peak_tflops["bf16"], f"dense bf16, {table}"
-    else:
-        peak, peak_source = None, "unknown: set cluster.gpu_type or train.peak_tflops for step time and MFU"
+    peak, peak_source = published_peak(cfg.train, cfg.cluster)
     efficiency = spec.efficiency if spec else Device.efficiency
     efficiency_source = spec.efficiency_source if spec else Device.efficiency_source
     nodes, world = cfg.cluster.nodes, cfg.cluster.nodes * cfg.cluster.procs_per_node
@@ -60,6 +55,20 @@ def plan_device(cfg) -> PlanDevice:
     return PlanDevice(
         gpu or "this host", memory, memory_source, peak, peak_source, efficiency, efficiency_source, busbw, busbw_source
     )
+
+
+def published_peak(train, cluster) -> tuple[float | None, str]:
+    """(the dense peak TFLOP/s MFU is reported against, where it comes from): `train.peak_tflops`,
+    else the device table's bf16 peak for `cluster.gpu_type`; none for anything else (a CPU): a
+    measured throughput is no peak."""
+    from components.devices import device
+
+    spec = device(cluster.gpu_type) if cluster.gpu_type else None
+    if train.peak_tflops:
+        return train.peak_tflops, "train.peak_tflops"
+    if spec:
+        return spec.peak_tflops["bf16"], f"dense bf16, cluster.gpu_type={cluster.gpu_type} (components/devices.py)"
+    return None, "unknown: set cluster.gpu_type or train.peak_tflops for step time and MFU"
 
 
 def plan_for(cfg) -> tuple[Plan, PlanDevice]:

@@ -25,13 +25,12 @@ from components.config import (
     StoreConfig,
     TrainConfig,
 )
-from components.devices import peak_tflops
 from components.launcher import Launch, replica_store, run_app
 from components.precision import recipe
 from components.preflight import bench, numerics
 from components.preflight.bench import NodeMeasurement
 from components.preflight.plan import Plan, fits, plan
-from components.preflight.plan_config import tp_group_busbw
+from components.preflight.plan_config import published_peak, tp_group_busbw
 from components.preflight.plan_format import format_plan
 from components.preflight.spec import PreflightSpec
 from components.preflight.verdict import NodeVerdict, floors_for, judge, max_age_min, outliers_for
@@ -316,7 +315,7 @@ def run_preflight(
         seq_len,
         vocab,
         tflops=tflops,
-        peak_tflops=train.peak_tflops or (peak_tflops(cluster.gpu_type) if cluster.gpu_type else None),
+        peak_tflops=published_peak(train, cluster)[0],
         busbw_gbps=busbw if world > 1 else None,
         tp_busbw_gbps=tp_group_busbw(train, cluster),  # the table's NVLink: preflight measures the world's
     )
