@@ -82,6 +82,7 @@ def install(job, state) -> None:
 
         # under pipeline parallelism only the rank whose stage holds it
         weight = next((p for n, p in job.model.named_parameters() if clean_name(n) == f["nan_weight"]), None)
+        weight = getattr(weight, "_local_tensor", weight)  # a DTensor's (TP, FSDP) own shard on this rank
         saved: list = []
 
         def nan_weight(step: int) -> None:

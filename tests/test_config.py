@@ -7,6 +7,7 @@ import json
 import pytest
 
 from components.config import GROUP_SCHEMAS, GROUPS, ConfigError, compose, group_dicts, group_from_dict
+from components.parallel import ParallelDims, pipeline_microbatches
 from pipelines.cli import main
 from tests.conftest import S3_ACCESS_KEY, S3_SECRET_KEY
 
@@ -304,17 +305,21 @@ PP = ["train.pp=2", "train.grad_accum_steps=2"]
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["train.pp=2", "cluster.nodes=2"], "train.grad_accum_steps: 1 micro-batches cannot fill 2 pipeline stages"),
+        (["train.pp=2", "cluster.nodes=2", "train.micro_batch_size=3"],
+         "train.grad_accum_steps: 1 micro-batches of 3 cannot fill 2 pipeline stages"),
         ([*PP, "cluster.nodes=3"], "train.pp: 2 must divide the world size 3"),
         ([*PP, "cluster.nodes=4"], "train.pp: 2 with train.parallelism=ddp needs the world size 4 to be 2"),
         ([*PP, "cluster.nodes=2", "train.pp_schedule=interleaved_1f1b"],
          "train.pp: 2 x 2 stage(s) per rank (interleaved_1f1b) need model.num_layers >= 4, got 2"),
         ([*PP, "cluster.nodes=2", "model.tie_embeddings=true"], "train.pp: 2 needs model.tie_embeddings=false"),
-        ([*PP, "cluster.nodes=4", "train.tp=2", "train.parallelism=fsdp"],
-         "train.pp: 2 with train.tp=2: pipeline and tensor parallelism together are not built"),
+        ([*PP, "cluster.nodes=6", "train.tp=2", "train.parallelism=fsdp"],
+         "train.pp: 2 x train.tp=2 must divide the world size 6"),
+        ([*PP, "cluster.nodes=8", "train.tp=2"],
+         "train.pp: 2 with train.parallelism=ddp needs the world size 8 to be 4"),
         ([*PP, "cluster.nodes=2", "train.loss_scaling=true"], "train.pp: 2 with train.loss_scaling"),
         (["train.pp=2", "train.grad_accum_steps=5", "cluster.nodes=2", "train.pp_schedule=interleaved_1f1b",
-          "model.num_layers=4"], "train.grad_accum_steps: 5 is not a multiple of the interleaved schedule's 2 rounds"),
+          "model.num_layers=4"],
+         "train.grad_accum_steps: 5 pipeline micro-batches are not a multiple of the interleaved schedule's 2 rounds"),
         ([*PP, "cluster.nodes=4", "train.parallelism=fsdp", "train.dp_replicate=2"],
          "train.dp_replicate: 2 must divide the data-parallel world 2 (cluster.nodes x procs_per_node / train.pp)"),
         (["train.pp_schedule=zero_bubble"], "train.pp_schedule: 'zero_bubble': one of 1f1b, gpipe, interleaved_1f1b"),
@@ -326,6 +331,10 @@ def test_pipeline_degrees_that_cannot_fill_the_stages_fail_at_compose(overrides,
         compose(overrides)
     assert message in str(err.value)
     compose([*PP, "cluster.nodes=4", "train.parallelism=fsdp"])  # PP=2 x FSDP=2 composes
+    # PP=2 x TP=2 composes as it is asked for: one step's 8 sequences split into 2 pipeline micro-batches
+    cfg = compose(["train.tp=2", "train.pp=2", "cluster.nodes=2", "cluster.procs_per_node=2"])
+    assert pipeline_microbatches(cfg.train) == (2, 4)
+    assert ParallelDims.of(cfg.train, 4) == ParallelDims(dp_replicate=1, dp_shard=1, tp=2, pp=2)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from components.config.bounds import PIPELINE_SCHEDULES, out_of_bounds
+from components.parallel import pipeline_microbatches
 
 if TYPE_CHECKING:
     from components.config.schema import (
@@ -128,9 +129,10 @@ def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model:
     if tp > 1 and world is not None:
         why = f"{tp} must divide the world size {world} (cluster.nodes x procs_per_node)"
         rules.append(("train.tp", world % tp == 0, why))
-        why = (f"{tp} with train.parallelism=ddp needs the world size {world} to be {tp} (DDP does not replicate "
+        whole = tp * train.pp
+        why = (f"{tp} with train.parallelism=ddp needs the world size {world} to be {whole} (DDP does not replicate "
                "tensor-parallel DTensors): use train.parallelism=fsdp to add data parallelism")  # fmt: skip
-        rules.append(("train.tp", train.parallelism != "ddp" or world == tp, why))
+        rules.append(("train.tp", train.parallelism != "ddp" or world % whole or world == whole, why))
     if tp > 1 and train.precision == "fp8":  # torchao's float8 TP styles cast inputs tensorwise
         got = train.fp8_recipe.value
         why = f"{tp} with fp8 needs train.fp8_recipe=tensorwise (torchao's float8 TP styles), got {got}"
@@ -149,27 +151,31 @@ def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model:
 
 
 def pipeline_rules(train: TrainConfig, world: int | None, model: ModelConfig | None) -> list:
-    pp, tp, accum = train.pp, train.tp, train.grad_accum_steps
+    pp, tp, accum, mbs = train.pp, train.tp, train.grad_accum_steps, train.micro_batch_size
     per_rank = PIPELINE_SCHEDULES[train.pp_schedule]
     rules = [
-        ("train.pp", tp == 1, f"{pp} with train.tp={tp}: pipeline and tensor parallelism together are not built"),
         ("train.pp", not train.loss_scaling, f"{pp} with train.loss_scaling: the schedule runs backward unscaled"),
-        ("train.grad_accum_steps", accum >= pp,
-         f"{accum} micro-batches cannot fill {pp} pipeline stages (train.pp): each step needs >= {pp}"),
+        ("train.grad_accum_steps", accum >= pp or (mbs * accum) % pp == 0,
+         f"{accum} micro-batches of {mbs} cannot fill {pp} pipeline stages (train.pp): each step needs >= {pp} "
+         f"micro-batches, or micro_batch_size x grad_accum_steps = {mbs * accum} split into {pp} equal parts"),
     ]  # fmt: skip
+    micro = pipeline_microbatches(train)[0]
     if per_rank > 1:
-        rounds = max(1, accum // pp)
-        why = f"{accum} is not a multiple of the interleaved schedule's {rounds} rounds (grad_accum_steps // pp)"
-        rules.append(("train.grad_accum_steps", accum % rounds == 0, why))
+        rounds = max(1, micro // pp)
+        why = f"{micro} pipeline micro-batches are not a multiple of the interleaved schedule's {rounds} rounds (// pp)"
+        rules.append(("train.grad_accum_steps", micro % rounds == 0, why))
     if world is not None:
         rules.append(
             ("train.pp", world % pp == 0, f"{pp} must divide the world size {world} (cluster.nodes x procs_per_node)")
         )
+        if tp > 1 and world % pp == 0 and world % tp == 0:
+            why = f"{pp} x train.tp={tp} must divide the world size {world} (cluster.nodes x procs_per_node)"
+            rules.append(("train.pp", world % (pp * tp) == 0, why))
         why = (
-            f"{pp} with train.parallelism=ddp needs the world size {world} to be {pp} (DDP breaks under "
+            f"{pp} with train.parallelism=ddp needs the world size {world} to be {pp * tp} (DDP breaks under "
             "a schedule's several forwards per backward): use train.parallelism=fsdp to add data parallelism"
         )
-        rules.append(("train.pp", train.parallelism != "ddp" or world == pp, why))
+        rules.append(("train.pp", train.parallelism != "ddp" or world % (pp * tp) or world == pp * tp, why))
     if model is not None:
         stages = pp * per_rank
         rules.append(("train.pp", model.num_layers >= stages,

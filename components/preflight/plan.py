@@ -80,11 +80,12 @@ h = hidden, L = layers, a = heads):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from components.config import ModelConfig, Parallelism, TrainConfig
 from components.config.bounds import PIPELINE_SCHEDULES
 from components.model_math import host_memory_bytes, mfu, param_tensors, planned_flops_per_token, stage_layers
+from components.parallel import pipeline_microbatches
 from components.precision import Recipe, recipe
 
 GB = 1e9
@@ -295,6 +296,9 @@ def plan(
     network's). Under pipeline parallelism, the plan of the end rank that holds more."""
     if vocab_size is not None and model.vocab_size is None:
         model = ModelConfig(**{**asdict(model), "vocab_size": vocab_size})
+    if train.pp > 1:  # the micro-batches the schedule runs (the step's batch split into >= pp of them)
+        micro, size = pipeline_microbatches(train)
+        train = replace(train, grad_accum_steps=micro, micro_batch_size=size)
     bw = (tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps, tp_busbw_gbps, pp_busbw_gbps)
     plans = [_plan_rank(model, train, world, seq_len, share, *bw) for share in pipeline_shares(model, train)]
     return max(plans, key=lambda p: p.total_gb)

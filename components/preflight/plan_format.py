@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from components.parallel import pipeline_microbatches
 from components.preflight.plan import Plan
 from components.preflight.plan_config import PlanDevice, as_overrides, plan_for, with_changes
 from components.summaries import gib
@@ -102,7 +103,8 @@ def _tp(t, world: int) -> str:
 def _pp(t, world: int) -> str:
     if t.pp == 1:
         return ""
-    return (f" x pipeline parallel {t.pp} (train.pp, {t.pp_schedule}, {t.grad_accum_steps} micro-batches;"
+    micro, size = pipeline_microbatches(t)
+    return (f" x pipeline parallel {t.pp} (train.pp, {t.pp_schedule}, {micro} micro-batches of {size};"
             f" {world // t.tp // t.pp} data-parallel ranks; the larger end stage planned)")  # fmt: skip
 
 

@@ -122,7 +122,7 @@ def build_job(spec: TrainSpec) -> Job:
     n_flops = flops_per_token(model_cfg, count_params(model, exclude_embeddings=True), seq_len)
     precision.apply(model, train, device)
     model = parallelize(model, train, dims, device, precision)  # TP -> AC -> compile -> FSDP/DDP
-    fsdp = dims.fsdp and dims.dp > 1  # what `parallelize` sharded
+    fsdp = dims.fsdp  # what `parallelize` sharded
     if fsdp:
         precision.after_optimizer_step(model, train, fsdp)  # the first step's fp8 all-gather scales
     optimizer = build_optimizer(model, train)

@@ -1,16 +1,15 @@
-"""The world's layout (`ParallelDims`, one DeviceMesh) and the one place that applies it:
-pipeline stages (components/train/pipeline_parallel.py) or tensor parallelism
-(components/train/tensor_parallel.py), then DDP (default), FSDP2 `fully_shard`, or HSDP
-(`fully_shard` on the (dp_replicate, dp_shard) dimensions); and compile."""
+"""The one place that applies a layout (`ParallelDims`, components/parallel/): pipeline
+stages (components/train/pipeline_parallel.py), tensor parallelism in each
+(components/train/tensor_parallel.py), activation checkpointing, compile, then DDP, FSDP2
+`fully_shard`, or HSDP (`fully_shard` on the (dp_replicate, dp_shard) dimensions)."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 
-from components.config import Parallelism
+from components.parallel import ParallelDims
 from components.precision import Recipe
 from components.train.model import transformer_blocks
 
@@ -23,54 +22,13 @@ def apply_compile(model: torch.nn.Module) -> None:
         setattr(blocks, key, torch.compile(block, fullgraph=True))
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """The layout of the world: `pp` pipeline ranks (outermost: a stage's ranks are
-    consecutive, a node's GPUs), each of world / pp ranks; in them `tp` consecutive ranks split
-    each block's matmuls; the dp = world / (pp x tp) data-parallel ranks are DDP replicas, or
-    FSDP shard groups of `dp_shard` ranks repeated `dp_replicate` times (HSDP). Rank r is
-    pipeline rank r // (dp x tp), data-parallel rank (r // tp) % dp, tp rank r % tp."""
-
-    world: int
-    tp: int = 1
-    dp_replicate: int = 1
-    fsdp: bool = False
-    pp: int = 1
-
-    @classmethod
-    def of(cls, train, world: int) -> ParallelDims:
-        return cls(world, train.tp, train.dp_replicate, train.parallelism == Parallelism.fsdp, train.pp)
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
-
-    @property
-    def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate if self.fsdp else 1
-
-    def dp_rank(self, rank: int) -> int:
-        return (rank // self.tp) % self.dp
-
-    def mesh(self, device: torch.device):
-        """One DeviceMesh over the world, a dimension per degree above 1 (pp, dp_replicate,
-        dp_shard, tp, outermost first), or None for one process."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
-        dims = [(name, n) for name, n in dims if n > 1]
-        if not dims:
-            return None
-        return init_device_mesh(device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
-
-
 def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch.device, precision: Recipe):
     """The one place a layout is applied, in torchtitan's order, to a model whose precision
     conversion is done: PP split or TP -> activation checkpointing -> compile -> FSDP2 / HSDP
     or DDP. Under pipeline parallelism it returns this rank's `PipelineRank`."""
     from components.train.activation_checkpoint import apply_activation_checkpointing
 
-    mesh = dims.mesh(device)
+    mesh = dims.mesh(device.type)
     if dims.pp > 1:
         return pipeline_rank(model, train, dims, device, precision, mesh)
     if dims.tp > 1:
@@ -90,13 +48,15 @@ def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: tor
     from components.train.activation_checkpoint import apply_activation_checkpointing
     from components.train.pipeline_parallel import PipelineRank, build_stages, stages_per_rank
 
-    if dims.tp > 1:
-        raise ValueError("train.pp > 1 with train.tp > 1 is not built: choose one of them")
-    sharded = dims.fsdp and dims.dp > 1
+    sharded = dims.fsdp
     pp_rank = mesh["pp"].get_local_rank()
     chunks, ids = build_stages(model, pp_rank, dims.pp, train.pp_schedule, lambda: precision.autocast(device, sharded))
     wrapped = []
     for chunk in chunks:
+        if dims.tp > 1:  # each stage's blocks (and its ends) split over the stage's tp ranks
+            from components.train.tensor_parallel import apply_tp
+
+            apply_tp(chunk, mesh["tp"])
         if train.activation_checkpointing:
             apply_activation_checkpointing(chunk, train.ac_every_n_blocks)
         if train.compile if train.compile is not None else device.type == "cuda":
@@ -112,8 +72,8 @@ def wrap(model: torch.nn.Module, dims: ParallelDims, device: torch.device, preci
     world (only where no dimension is tensor- or pipeline-parallel: DDP does not replicate
     DTensors, and its bucket order breaks when a schedule runs several forwards before a
     backward; torchtitan refuses DDP beside other dimensions too)."""
-    mesh = mesh if mesh is not None else dims.mesh(device)
-    if dims.fsdp and dims.dp > 1:
+    mesh = mesh if mesh is not None else dims.mesh(device.type)
+    if dims.fsdp:
         from torch.distributed.fsdp import fully_shard
 
         names = tuple(n for n in ("dp_replicate", "dp_shard") if n in mesh.mesh_dim_names)

@@ -13,7 +13,8 @@ into data parallelism. The chunks are wrapped one by one (activation checkpointi
 FSDP2 over the data-parallel mesh) before the schedule drives them.
 
 A step hands the schedule the data-parallel rank's whole batch (grad_accum_steps
-micro-batches, in the sampler's order); it splits it back into those micro-batches, runs
+micro-batches, in the sampler's order); it splits it into `pipeline_microbatches` (those
+micro-batches, or pp equal parts when there are fewer than pp of them), runs
 forward and backward through the stages and averages the gradients over them (scale_grads),
 so one step equals the accumulated step of the other layouts. The loss is computed on the
 last stage. Forward-only passes (validation, the probe, a non-finite replay) go stage by stage
@@ -31,6 +32,7 @@ from torch import nn
 
 from components.config import PIPELINE_SCHEDULES
 from components.model_math import stage_layers
+from components.parallel import pipeline_microbatches
 
 SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}  # pipelining's names
 
@@ -143,11 +145,12 @@ class Pipeline:
         """The schedule of a `PipelineRank` that `parallelize` built, or None for other layouts."""
         if not isinstance(model, PipelineRank):
             return None
-        return cls(model, model.pp_mesh, device, train.pp_schedule, train.grad_accum_steps)
+        return cls(model, model.pp_mesh, device, train.pp_schedule, pipeline_microbatches(train)[0])
 
     def step(self, batch: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one optimizer step's batch (its micro-batches, in order);
-        the summed micro-batch mean losses on the last stage's ranks, 0 elsewhere."""
+        """Forward and backward of one optimizer step's batch (split into the schedule's
+        micro-batches, in order); the mean of their mean losses on the last stage's ranks, 0
+        elsewhere."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.module.has_first else ()
@@ -156,7 +159,7 @@ class Pipeline:
         self.schedule.step(*args, target=target, losses=losses if self.module.has_last else None, return_outputs=False)
         if not losses:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach() for loss in losses]).sum()
+        return torch.stack([loss.detach() for loss in losses]).mean()
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The mean token loss of `batch` through every stage, forward only (no autograd graph

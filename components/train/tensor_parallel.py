@@ -8,8 +8,10 @@ input, so each all-reduces its input's gradient). The output head is split by vo
 its logits gathered, so the loss is the plain cross-entropy on full logits. Embeddings and
 RMSNorms stay whole, their parameters replicated DTensors on the same mesh (`Replicated`),
 so every parameter is a DTensor on one mesh: the optimizer, the gradient norm and DCP treat
-them alike. Sequence parallelism of the norms and a loss-parallel head are not built: the
-norms' activations are whole on every rank (the planner counts them so).
+them alike. Under pipeline parallelism each stage is split the same way over its own tp ranks
+(components/train/parallel.py): the hidden states between stages are whole, plain tensors.
+Sequence parallelism of the norms and a loss-parallel head are not built: the norms'
+activations are whole on every rank (the planner counts them so).
 
 fp8: Float8Linear modules take torchao's `Float8ColwiseParallel` / `Float8RowwiseParallel`,
 which cast to fp8 before the collectives; the head (never fp8) takes the plain styles.
@@ -82,17 +84,28 @@ def check_divisible(model: torch.nn.Module, tp: int) -> None:
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard the model in place over `tp_mesh` (after the precision conversion, before
-    activation checkpointing, compile and FSDP)."""
+    """Shard the model, or one pipeline stage of it (a `StageChunk`: its blocks, and the ends it
+    holds), in place over `tp_mesh` (after the precision conversion, before activation
+    checkpointing, compile and FSDP)."""
     from torchao.float8.float8_linear import Float8Linear
 
     check_divisible(model, tp_mesh.size())
     float8 = any(isinstance(m, Float8Linear) for m in model.modules())
-    for block in transformer_blocks(model):
+    for block in transformer_blocks(model).children():  # a ModuleList, or a stage's ModuleDict
         parallelize_module(block, tp_mesh, tp_plan(block, float8))
     tied = model.config.tie_word_embeddings
     head = Replicated() if tied else ColwiseParallel(output_layouts=Replicate())  # gathered logits
-    whole = {"model.embed_tokens": Replicated(), "model.norm": Replicated()}
-    parallelize_module(model, tp_mesh, {**whole, "lm_head": head})
+    ends = {"model.embed_tokens": Replicated(), "model.norm": Replicated(), "lm_head": head}
+    held = {name: style for name, style in ends.items() if _holds(model, name)}
+    if held:
+        parallelize_module(model, tp_mesh, held)
     if tied:  # distribute_module gave each its own Parameter: share the embedding's again
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _holds(model: torch.nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

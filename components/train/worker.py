@@ -87,7 +87,7 @@ def train_step(job: Job, state: TrainState) -> dict:
         loss_sum += loss.detach()
     if pipelined:  # forward and backward of every micro-batch through the stages
         with forward:
-            loss_sum = job.pipeline.step(torch.cat(pipelined)) / accum
+            loss_sum = job.pipeline.step(torch.cat(pipelined))
 
     # all ranks agree on the loss and on whether every rank's async checkpoint is on disk
     t_comm = time.perf_counter()
@@ -97,7 +97,7 @@ def train_step(job: Job, state: TrainState) -> dict:
         dist.all_reduce(loss_and_pending)
     loss_total, pending_ranks = loss_and_pending.tolist()
     comm_s = time.perf_counter() - t_comm
-    step_loss = loss_total / (job.world // job.dims.pp)  # every rank of the last stage holds a loss
+    step_loss = loss_total / job.dims.loss_holders()  # every rank of the last stage holds a loss
 
     t_opt = time.perf_counter()
     set_lr(job.optimizer, lr_at(state.step - 1, job.train))

@@ -20,16 +20,17 @@ def _fsdp_accumulation(rank: int, pg_file: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from components.config import defaults
+    from components.parallel import ParallelDims
     from components.precision import recipe
     from components.train.model import build_model
-    from components.train.parallel import ParallelDims, gradient_sync, wrap
+    from components.train.parallel import gradient_sync, wrap
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=rank, world_size=WORLD)
     found = {}
     for every in (True, False):
         model = build_model(defaults("model", vocab_size=VOCAB), VOCAB, seed=0)
-        model = wrap(model, ParallelDims(WORLD, fsdp=True), torch.device("cpu"), recipe("fp32"))
+        model = wrap(model, ParallelDims(dp_shard=WORLD), torch.device("cpu"), recipe("fp32"))
         held_after_first = None
         for micro in range(ACCUM):
             with gradient_sync(model, micro == ACCUM - 1, every):

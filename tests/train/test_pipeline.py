@@ -49,56 +49,73 @@ def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer,
     assert_trains_like(one, (pp, inter, gpipe, pp_dp))
 
 
-def test_a_pipeline_checkpoint_resumes_data_parallel_with_the_weights_and_samples_of_one_run(trainer):
-    """Train PP=2 (1F1B, two nodes each holding two of the four blocks, 2 micro-batches of 4 a
-    step), then continue its step-10 checkpoint data-parallel (DDP on two nodes, 4 sequences
-    each) to step 20: each stage saved its own blocks under the full model's names and DCP
-    loads them all into every DDP rank. The blocks read at every global sample position are an
-    uninterrupted data-parallel run's (both stages read each of theirs: the first stage's
-    inputs are the last stage's targets); the step-20 weights equal the uninterrupted PP run's
-    within 1e-5 and the losses the uninterrupted DDP run's within 1e-5 relative. The same
-    checkpoint resumes PP=2 too (each stage loads its own optimizer state by parameter name):
-    its step-20 weights and losses are the uninterrupted PP run's within 1e-6."""
-    common = [*COMMON, "train.steps=20"]
-    pp_dir, dp_dir, whole_dir = (trainer.tmp / n for n in ("pp_rows", "dp_rows", "whole_rows"))
-    with injected(record_dir=str(pp_dir)):
-        pp = trainer.run(*common, *TWO_NODES, "train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2")
-    at10 = stored_checkpoints(trainer, pp)[10].ref.version
-    with injected(record_dir=str(dp_dir)):
-        dp = trainer.run(*common, *TWO_NODES, "train.micro_batch_size=4", f"train.resume={at10}")
-    assert dp.result.start_step == 10 and dp.result.resumed_from == f"checkpoint/tiny@{at10}"
-    assert dp.result.wrapped_modules["pp_stages"] == 0 and dp.result.wrapped_modules["ddp"] == 1
-    with injected(record_dir=str(whole_dir)):
-        whole = Trainer(trainer.dataset_store, trainer.tmp / "whole").run(
-            *common, *TWO_NODES, "train.micro_batch_size=4"
-        )
-    first_leg = {k: v for k, v in read_batches(pp_dir).items() if k < 10 * 8}
-    assert all(len(v) == 2 and v[0] == v[1] for v in first_leg.values())  # both stages read each block
-    got = {**{k: v[:1] for k, v in first_leg.items()}, **read_batches(dp_dir)}
-    want = read_batches(whole_dir)
-    assert sorted(got) == sorted(want) == list(range(20 * 8)) and got == want
-    a, b = final_weights(pp), final_weights(dp)
-    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
-    resumed, uninterrupted = losses_of(dp), losses_of(whole)
-    assert len(resumed) == len(uninterrupted) == 20
-    assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(resumed, uninterrupted, strict=True))
-    pp_again = ["train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2", f"train.resume={at10}"]
-    again = trainer.run(*common, *TWO_NODES, *pp_again)
-    assert again.result.start_step == 10 and again.result.wrapped_modules["pp_stages"] == 1
-    c = final_weights(again)
-    assert a.keys() == c.keys() and max(float((a[k] - c[k]).abs().max()) for k in a) < 1e-6
-    assert all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(losses_of(again), losses_of(pp), strict=True))
+def test_pp_x_tp_trains_the_losses_and_weights_of_one_process(trainer, one_process):
+    """PP=2 x TP=2 on 2 nodes x 2 processes (`liftoff config train.tp=2 train.pp=2 ...` as it
+    composes: 8 sequences a step, split into 2 pipeline micro-batches of 4): each node is a
+    stage, its two processes split the stage's blocks' matmuls. fp32, 10 steps: losses within
+    1e-4 relative and weights within 1e-4 of the one process. Rank 0's live module holds the
+    embeddings and blocks 0-1 only, its 14 block projections DTensors split over tp."""
+    pp_tp = trainer.run(*COMMON, "train.steps=10", "cluster.nodes=2", "cluster.procs_per_node=2", "train.pp=2",
+                        "train.tp=2")  # fmt: skip
+    held = pp_tp.result.wrapped_modules
+    assert held["pp_stages"] == 1 and held["params_held"] == 1 + 2 * BLOCK_PARAMS
+    assert held["tp_params"] == 7 * 2 and held["fsdp"] == 0 and held["ddp"] == 0
+    assert_trains_like(one_process, (pp_tp,))
 
 
-def test_fp8_pipeline_names_a_later_stages_non_finite_module_and_every_stages_float8_linears(trainer):
-    """fp8 under PP=2 (4 blocks, two a stage): a NaN put into block 3's down projection at step
-    3 lives on the second stage, which rank 0 never runs: the step is skipped and its event
-    names that module (every rank's finding gathered, the earliest in the forward kept), and
-    the trained model's Float8Linear modules are both stages' (7 a block), not rank 0's half."""
+def test_a_pp_x_tp_checkpoint_resumes_under_fsdp_and_back_with_the_samples_and_weights_of_one_run(trainer):
+    """Train PP=2 x TP=2 (2 nodes x 2 processes: a stage a node, its matmuls split over the
+    node's pair; 8 sequences a step) and FSDP=4 (the same 4 processes, 2 sequences each), 20
+    steps each, uninterrupted; then continue each one's step-10 checkpoint in the other layout.
+    Each stage saved its own blocks' tp shards under the full model's names, and DCP reshards
+    them into FSDP's dp shards (and FSDP's back into stages and tp shards, each stage loading its
+    own optimizer state by parameter name). The blocks read at every global sample position are
+    the uninterrupted runs' (all four PP x TP ranks read each block of theirs); the step-20
+    weights equal the uninterrupted run of the first leg's layout within 1e-5 and the losses the
+    second leg's within 1e-5 relative (20 steps apart, the two layouts' reduction orders differ
+    by more than that: see the TP resume test)."""
+    common = [*COMMON, "train.steps=20", "cluster.nodes=2", "cluster.procs_per_node=2"]
+    pp_tp, fsdp = ["train.pp=2", "train.tp=2"], ["train.parallelism=fsdp", "train.micro_batch_size=2"]
+    dirs = {n: trainer.tmp / f"{n}_rows" for n in ("pp_tp", "fsdp", "to_fsdp", "to_pp_tp")}
+    with injected(record_dir=str(dirs["pp_tp"])):
+        a = trainer.run(*common, *pp_tp)
+    other = Trainer(trainer.dataset_store, trainer.tmp / "other")  # a store of its own
+    with injected(record_dir=str(dirs["fsdp"])):
+        b = other.run(*common, *fsdp)
+    a10, b10 = stored_checkpoints(trainer, a)[10].ref.version, stored_checkpoints(other, b)[10].ref.version
+    with injected(record_dir=str(dirs["to_fsdp"])):
+        to_fsdp = trainer.run(*common, *fsdp, f"train.resume={a10}")
+    with injected(record_dir=str(dirs["to_pp_tp"])):
+        to_pp_tp = other.run(*common, *pp_tp, f"train.resume={b10}")
+    assert to_fsdp.result.start_step == to_pp_tp.result.start_step == 10
+    assert to_fsdp.result.wrapped_modules["pp_stages"] == 0 and to_fsdp.result.wrapped_modules["fsdp"] == 5
+    assert to_pp_tp.result.wrapped_modules["pp_stages"] == 1 and to_pp_tp.result.wrapped_modules["tp_params"] == 14
+    rows = {n: read_batches(d) for n, d in dirs.items()}
+    assert all(len(v) == 4 and len(set(v)) == 1 for n in ("pp_tp", "to_pp_tp") for v in rows[n].values())
+    first = {n: {k: v[:1] for k, v in rows[n].items() if k < 10 * 8} for n in ("pp_tp", "fsdp")}
+    second = {n: {k: v[:1] for k, v in rows[n].items()} for n in ("to_fsdp", "to_pp_tp")}
+    assert sorted(rows["fsdp"]) == list(range(20 * 8))
+    assert {**first["pp_tp"], **second["to_fsdp"]} == {**first["fsdp"], **second["to_pp_tp"]} == rows["fsdp"]
+    for resumed, first_leg, second_leg in ((to_fsdp, a, b), (to_pp_tp, b, a)):
+        w, x = final_weights(resumed), final_weights(first_leg)
+        assert w.keys() == x.keys() and max(float((w[k] - x[k]).abs().max()) for k in w) < 1e-5
+        got, want = losses_of(resumed), losses_of(second_leg)
+        assert len(got) == len(want) == 20
+        assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(got, want, strict=True))
+
+
+def test_fp8_pp_x_tp_names_a_later_stages_non_finite_module_and_splits_every_float8_linear(trainer):
+    """fp8 under PP=2 x TP=2 (4 blocks, two a stage; each stage's matmuls split over its node's
+    two processes): a NaN put into block 3's down projection at step 3 lives on the second
+    stage, which rank 0 never runs: the step is skipped and its event names that module (every
+    rank's finding gathered, the earliest in the forward kept); the trained model's
+    Float8Linear modules are both stages' (7 a block), and rank 0's 14 hold their weights as
+    DTensors split over tp (torchao's float8 TP styles, read off the live model)."""
     with injected(nan_weight="model.layers.3.mlp.down_proj.weight", nan_weight_steps=[3]):
         r = trainer.run(
-            "train.precision=fp8", "train.steps=4", "train.warmup_steps=1", "model.num_layers=4", *TWO_NODES,
-            "train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2", "train.activation_checkpointing=true",
+            "train.precision=fp8", "train.steps=4", "train.warmup_steps=1", "model.num_layers=4", "cluster.nodes=2",
+            "cluster.procs_per_node=2", "train.pp=2", "train.tp=2", "train.micro_batch_size=4",
+            "train.grad_accum_steps=2", "train.activation_checkpointing=true",
         )  # fmt: skip
     bad = [e for e in read_records(r.metrics)[1] if e.get("kind") == "nonfinite_step"]
     assert [(e["step"], e["first_nonfinite_module"]) for e in bad] == [(3, "model.layers.3.mlp.down_proj")]
@@ -106,3 +123,4 @@ def test_fp8_pipeline_names_a_later_stages_non_finite_module_and_every_stages_fl
     assert r.result.float8_linear_count == 28
     assert {m.split(".")[2] for m in r.result.float8_linear_modules} == {"0", "1", "2", "3"}
     assert r.result.wrapped_modules["activation_checkpoint"] == 2  # rank 0's two blocks, checkpointed
+    assert r.result.wrapped_modules["float8_tp_linear"] == 14  # rank 0's two blocks' Float8Linears, split
