@@ -29,9 +29,9 @@ def main() -> None:
     from components.checkpoint_format import local_checkpoints, verify
     from components.config import defaults
     from components.launcher import free_port
+    from components.models import build_model
     from components.store import open_store
     from components.train.checkpoint import Checkpointer, StoreTarget
-    from components.train.model import build_model
     from components.train.optim import build_optimizer
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

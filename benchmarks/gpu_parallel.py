@@ -42,11 +42,12 @@ def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int,
     from components.config import Parallelism, Precision
     from components.devices import peak_tflops
     from components.model_math import flops_per_token, mfu
+    from components.models import build_model, count_params
+    from components.parallel import ParallelDims
+    from components.parallel.apply import parallelize
     from components.precision import recipe
     from components.train.handback import wrapped_modules
-    from components.train.model import build_model, count_params
     from components.train.optim import build_optimizer, clip_and_step
-    from components.train.parallel import ParallelDims, parallelize
 
     cuda = torch.cuda.is_available()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -50,7 +50,7 @@ def hf_side(blocks_path: str) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from components.config import compose
-    from components.train.model import build_model
+    from components.models import build_model
 
     cfg = OmegaConf.to_object(compose([f"data.paths=[{CORPUS}]", *SHAPE]))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

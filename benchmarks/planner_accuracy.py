@@ -50,9 +50,10 @@ def tp_model(model_cfg: ModelConfig, train: TrainConfig):
     """A freshly built model as the worker builds one rank's (precision conversion, then
     `parallelize`: TP over `train.tp` ranks of the initialised process group, a fake one
     measuring a rank's share in one process, and activation checkpointing)."""
+    from components.models import build_model
+    from components.parallel import ParallelDims
+    from components.parallel.apply import parallelize
     from components.precision import recipe
-    from components.train.model import build_model
-    from components.train.parallel import ParallelDims, parallelize
 
     model = build_model(model_cfg, model_cfg.vocab_size, seed=0)
     precision, cpu = recipe(train.precision), torch.device("cpu")
@@ -63,8 +64,8 @@ def tp_model(model_cfg: ModelConfig, train: TrainConfig):
 def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> int:
     """Bytes saved for backward by one forward + loss of a freshly built model (with
     `train.tp` > 1: by one tp rank)."""
+    from components.models import transformer_blocks
     from components.precision import recipe
-    from components.train.model import transformer_blocks
 
     model = tp_model(model_cfg, train)
     precision = recipe(train.precision)
@@ -144,11 +145,12 @@ def pp_rank_peak(schedule: str, out: str) -> None:
     `schedule`, and the planner's figure for it, into `out`.<rank>.json."""
     import torch.distributed as dist
 
+    from components.models import build_model
+    from components.parallel import ParallelDims
+    from components.parallel.apply import parallelize
+    from components.parallel.pipeline import Pipeline
     from components.precision import recipe
     from components.preflight.plan import pipeline_activations, pipeline_shares
-    from components.train.model import build_model
-    from components.train.parallel import ParallelDims, parallelize
-    from components.train.pipeline_parallel import Pipeline
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

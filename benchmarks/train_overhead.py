@@ -66,10 +66,10 @@ def bare_loop(store_root: str, cache_dir: str, dataset: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from components.config import compose, defaults
+    from components.models import build_model
     from components.store import Ref, open_store
     from components.stream import open_split
     from components.train.data import BlockSampler
-    from components.train.model import build_model
     from components.train.optim import build_optimizer
 
     cfg = OmegaConf.to_object(compose([f"data.paths=[{CORPUS}]", *SHAPE]))

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Warnings the replicas print on every launch with nothing to act on, filtered in the replicas
 # (declared in their environment, on Kubernetes as locally): DDP's deprecation of the
-# `broadcast_buffers` argument, whose replacement changes what it means (components/train/parallel.py).
+# `broadcast_buffers` argument, whose replacement changes what it means (components/parallel/apply.py).
 QUIET_WARNINGS = "ignore:`broadcast_buffers` is deprecated:FutureWarning"
 
 

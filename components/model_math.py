@@ -1,30 +1,18 @@
-"""Model math on the shared floor, one place for train, preflight and the planner: the Llama
-tensor layout a `ModelConfig` builds, training FLOPs per token, MFU and this host's memory."""
+"""Model math on the shared floor, one place for train, preflight and the planner: the tensors
+a `ModelConfig` builds (its family's), training FLOPs per token, MFU and this host's memory."""
 
 from __future__ import annotations
 
 import os
 
 from components.config import ModelConfig
-from components.precision import fp8_eligible_dims
+from components.models import spec_for
 
 
 def param_tensors(model: ModelConfig) -> list[tuple[str, int, bool]]:
-    """(kind, numel, is an fp8-eligible Linear weight) for every parameter tensor of the
-    Llama model `components/train/model.py` builds (tests/preflight/test_plan.py holds the two
-    to each other)."""
-    h, v = model.hidden_size, model.vocab_size or 0
-    kv = model.num_kv_heads * (h // model.num_heads)
-    ffn = model.ffn_hidden_size
-    block = [(h, h), (h, kv), (h, kv), (h, h), (h, ffn), (h, ffn), (ffn, h)]  # q k v o, gate up down
-    out = [("embed", v * h, False)]
-    for _ in range(model.num_layers):
-        out += [("linear", i * o, fp8_eligible_dims(i, o)) for i, o in block]
-        out += [("block_norm", h, False), ("block_norm", h, False)]
-    out.append(("norm", h, False))
-    if not model.tie_embeddings:
-        out.append(("lm_head", v * h, False))
-    return out
+    """(kind, numel, is an fp8-eligible Linear weight) for every parameter tensor the model's
+    family builds (components/models/: its `param_tensors`)."""
+    return spec_for(model).param_tensors(model)
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from components.config import ClusterConfig, ModelConfig, TrainConfig
+from components.parallel import ParallelDims
 from components.precision import recipe
 from components.store import ArtifactStore, Manifest, Ref
 from components.stream import shard_table
@@ -36,8 +37,8 @@ def check_shape(meta: dict, model: ModelConfig, where: str) -> None:
 
 def blocks_per_step(train: TrainConfig, cluster: ClusterConfig) -> tuple[int, int]:
     """(data-parallel world, blocks one optimizer step reads): data-parallel ranks read distinct blocks."""
-    world = cluster.nodes * cluster.procs_per_node // (train.tp * train.pp)
-    return world, train.micro_batch_size * train.grad_accum_steps * world
+    dp = ParallelDims.of(train, cluster.nodes * cluster.procs_per_node).dp
+    return dp, train.micro_batch_size * train.grad_accum_steps * dp
 
 
 def check_inputs(

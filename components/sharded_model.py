@@ -21,6 +21,7 @@ import torch
 from components.checkpoint_fetch import everyone, fetch_for_node, read_ranges
 from components.checkpoint_format import MODEL_KEY, CheckpointError, load_state
 from components.config import ClusterConfig, EvalConfig, StoreConfig
+from components.models import spec_of
 from components.store import ArtifactStore, IntegrityError, Manifest, Ref, StoreError
 from components.summaries import gib
 from components.worker_side import WorkerSpec
@@ -174,14 +175,14 @@ def build_sharded(config_dir: Path, device: torch.device) -> torch.nn.Module:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in model.model.layers:
+    spec = spec_of(model)
+    for block in spec.blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
-    # its only buffers are the rotary frequencies (not saved): computed again, not left empty
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=config).to(device)
-    stray = [n for n, _ in model.named_buffers() if not n.startswith("model.rotary_emb.")]
+    # its only buffers (Llama: the rotary frequencies) are not saved: computed again, not left empty
+    spec.rebuild_buffers(model, config, device)
+    stray = [n for n, _ in model.named_buffers() if not n.startswith(spec.buffer_prefix)]
     if stray:
         raise ShardedLoadFailed(f"{type(model).__name__}: buffers not in the checkpoint: {stray[:3]}")
     return model.eval()

@@ -166,7 +166,7 @@ def eval_line(cfg, params: int, device_memory_gb: float) -> str:
     from components.sharded_model import eval_plan
 
     model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size)
-    root = sum(n for kind, n, _ in param_tensors(model) if kind in ("embed", "lm_head", "norm"))
+    root = sum(n for kind, n, _ in param_tensors(model) if kind in ("embed", "head", "norm"))
     where, fits = eval_plan(cfg, params, root, device_memory_gb)
     return f"validate/evaluate: {where}" + ("" if fits else " (does not fit: more nodes, or a lower eval.batch_size)")
 

@@ -161,7 +161,7 @@ MUTATIONS = [
     # docs/parallelism.md
     Mutation(
         "fsdp: the blocks not sharded one by one (the root only)",
-        "components/train/parallel.py",
+        "components/parallel/apply.py",
         "            fully_shard(block, **kwargs)\n",
         "            pass\n",
         ("tests/train/test_training.py::test_fsdp_trains_the_same_weights_as_ddp",),
@@ -175,7 +175,7 @@ MUTATIONS = [
     ),
     Mutation(
         "fsdp: gradients reduce-scattered on the last micro-batch only, whatever the sync setting",
-        "components/train/parallel.py",
+        "components/parallel/apply.py",
         "        model.set_requires_gradient_sync(last or fsdp_every_microbatch)\n",
         "        model.set_requires_gradient_sync(last)\n",
         (
@@ -185,7 +185,7 @@ MUTATIONS = [
     ),
     Mutation(
         "hsdp: FSDP2 over the shard dimension only (the replicas never all-reduce)",
-        "components/train/parallel.py",
+        "components/parallel/apply.py",
         '        kwargs = {"mesh": mesh[names] if len(names) > 1 else mesh[names[0]]}\n',
         '        kwargs = {"mesh": mesh[names[-1]]}\n',
         ("tests/train/test_training.py::test_hsdp_2x2_on_two_nodes_trains_the_losses_and_weights_of_one_process",),
@@ -213,8 +213,8 @@ MUTATIONS = [
     ),
     Mutation(
         "tp: the blocks' Linears not split over the tp ranks",
-        "components/train/tensor_parallel.py",
-        "        parallelize_module(block, tp_mesh, tp_plan(block, float8))\n",
+        "components/parallel/tensor.py",
+        "        parallelize_module(block, tp_mesh, _styles(per_block, block, float8))\n",
         "        pass\n",
         ("tests/test_benchmarks.py::test_the_sharded_gpu_cases_run_under_torchrun_and_fp8_is_all_gathered_in_fp8",),
     ),
@@ -257,7 +257,7 @@ MUTATIONS = [
     ),
     Mutation(
         "pp x tp: each stage's Linears not split over its tp ranks",
-        "components/train/parallel.py",
+        "components/parallel/apply.py",
         '            apply_tp(chunk, mesh["tp"])\n',
         "            pass\n",
         ("tests/train/test_pipeline.py::test_pp_x_tp_trains_the_losses_and_weights_of_one_process",),
@@ -271,10 +271,38 @@ MUTATIONS = [
     ),
     Mutation(
         "pp: the step's loss summed over the pipeline micro-batches, not averaged",
-        "components/train/pipeline_parallel.py",
+        "components/parallel/pipeline.py",
         "        return torch.stack([loss.detach() for loss in losses]).mean()\n",
         "        return torch.stack([loss.detach() for loss in losses]).sum()\n",
         ("tests/train/test_pipeline.py::test_pp_x_tp_trains_the_losses_and_weights_of_one_process",),
+    ),
+    Mutation(
+        "dims: a rank's data-parallel coordinate ignores its tp peers (they read different samples)",
+        "components/parallel/dims.py",
+        "        return (rank // self.tp) % self.dp\n",
+        "        return rank % self.dp\n",
+        ("tests/train/test_training.py::test_tensor_parallel_trains_the_losses_and_weights_of_one_process",),
+    ),
+    Mutation(
+        "fp8: the family's output head converted to Float8Linear too",
+        "components/precision/fp8.py",
+        "        return linear and fqn != head and fp8_eligible_dims(",
+        "        return linear and fp8_eligible_dims(",
+        ("tests/train/test_training.py::test_fp8_tensor_parallel_splits_float8_linear_weights_over_tp",),
+    ),
+    Mutation(
+        "layering: a module outside components/parallel/ divides the world by the degrees again",
+        "components/prelaunch.py",
+        "    dp = ParallelDims.of(train, cluster.nodes * cluster.procs_per_node).dp\n",
+        "    dp = cluster.nodes * cluster.procs_per_node // (train.tp * train.pp)\n",
+        ("tests/test_layout.py::test_only_parallel_dims_computes_a_parallel_size_or_rank",),
+    ),
+    Mutation(
+        "layering: fp8 names Llama's head instead of asking the family",
+        "components/precision/fp8.py",
+        "module_filter(spec_of(model).head)",
+        'module_filter("lm_head")',
+        ("tests/test_layout.py::test_only_the_model_families_name_their_module_paths",),
     ),
     Mutation(
         "pp: the gradient norm clipped per stage, not over every stage",

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # every stage is a folder with a KFP component in it
 STAGES = tuple(sorted(p.parent.name for p in (ROOT / "components").glob("*/component.py")))
 MAX_FUNCTION_LINES = 80
-FLOOR_ROOMS = ("config", "parallel", "precision", "store")  # the shared floor's folders
+FLOOR_ROOMS = ("config", "models", "parallel", "precision", "store")  # the shared floor's folders
 
 
 def _sources(*dirs: str) -> list[Path]:
@@ -370,3 +370,89 @@ def test_every_components_work_runs_inside_its_stage_task():
                 if s is not withs[0] and not kept:
                     outside.append(f"{path.relative_to(ROOT)}:{s.lineno} {ast.unparse(s)[:60]}")
     assert not outside, "\n".join(outside)
+
+
+def _found_outside(room: str, scan) -> list[str]:
+    """`path:line` for each line `scan` finds in the code outside components/<room>/."""
+    own = ROOT / "components" / room
+    return [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in _sources("components", "pipelines", "benchmarks")
+        if own not in path.parents
+        for line in scan(path.read_text())
+    ]
+
+
+WORLD_NAMES = re.compile(r"world|procs_per_node|get_world_size")
+DEGREE_NAMES = re.compile(r"\b(tp|pp|dp|dp_replicate|dp_shard|split)\b")
+
+
+def _parallel_sizes(source: str) -> list[int]:
+    """Lines that divide the world (or a rank) by a parallel degree: `world // (tp * pp)`,
+    `nodes * procs_per_node // t.pp`, `(rank // tp) % dp`, ..."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv | ast.Div):
+            left, right = ast.unparse(node.left), ast.unparse(node.right)
+            if (WORLD_NAMES.search(left) or re.search(r"\brank\b", left)) and DEGREE_NAMES.search(right):
+                found.append(node.lineno)
+    return found
+
+
+def test_only_parallel_dims_computes_a_parallel_size_or_rank():
+    """Outside components/parallel/ nothing divides the world size by a degree: the trainer, the
+    sampler, precision recipes, the config rules, the planner and the benchmarks ask a
+    `ParallelDims` (a rule's divisibility check, `world % tp`, asks nothing of the layout)."""
+    found = _found_outside("parallel", _parallel_sizes)
+    assert not found, "ask components/parallel/'s ParallelDims:\n" + "\n".join(found)
+
+
+def test_the_parallel_size_scan_sees_the_ways_of_dividing_the_world():
+    for source in ("dp = world // (tp * pp)", "x = c.nodes * c.procs_per_node // t.dp_replicate // t.pp",
+                   "r = (rank // tp) % dp", "n = dist.get_world_size() // (train.tp * train.pp)"):  # fmt: skip
+        assert _parallel_sizes(source), source
+    assert not _parallel_sizes("ok = world % tp == 0")
+
+
+LLAMA_PATHS = re.compile(
+    r"\b(self_attn|mlp|embed_tokens|lm_head|input_layernorm|post_attention_layernorm|rotary_emb|"
+    r"[qkvo]_proj|gate_proj|up_proj|down_proj)\b"
+)
+
+
+def _module_paths(source: str) -> list[int]:
+    """Lines whose code (not docstrings or comments) names a Llama module: as a string
+    (`"self_attn.q_proj"`) or an attribute (`model.lm_head`, `model.model.layers`)."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if LLAMA_PATHS.search(node.value):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and LLAMA_PATHS.fullmatch(node.attr):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr == "layers" and ast.unparse(node.value).endswith("model"):
+            found.append(node.lineno)
+    return found
+
+
+def test_only_the_model_families_name_their_module_paths():
+    """Outside components/models/ no code names a Llama module: tensor parallelism, the pipeline,
+    fp8, the planner, the export, validate and evaluate ask the family's `ModelSpec`."""
+    found = _found_outside("models", _module_paths)
+    assert not found, "ask the family's ModelSpec (components/models/):\n" + "\n".join(found)
+
+
+def test_the_module_path_scan_sees_strings_and_attributes():
+    for source in ('x = "self_attn.q_proj"', "w = model.lm_head.weight", "for b in model.model.layers: pass",
+                   'n = name.endswith("input_layernorm")'):  # fmt: skip
+        assert _module_paths(source), source
+    assert not _module_paths('def f():\n    """the lm_head"""\n    return 1')

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from components.config.bounds import PIPELINE_SCHEDULES, out_of_bounds
-from components.parallel import pipeline_microbatches
+from components.parallel import data_parallel, pipeline_microbatches
 
 if TYPE_CHECKING:
     from components.config.schema import (
@@ -121,7 +121,7 @@ def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model:
         rules.append(("train.dp_replicate", train.parallelism == "fsdp", why))
         if world is not None:
             split = tp * train.pp
-            dp = world // split if world % split == 0 else world
+            dp = data_parallel(world, tp, train.pp) if world % split == 0 else world
             over = (" / train.tp" if tp > 1 else "") + (" / train.pp" if train.pp > 1 else "")
             why = f"{r} must divide the data-parallel world {dp} (cluster.nodes x procs_per_node{over})"
             why += " into groups of 2+ ranks"

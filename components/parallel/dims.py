@@ -30,8 +30,7 @@ class ParallelDims:
         fsdp) says which data-parallel degree fills what tp x pp leave (dp_replicate under ddp,
         dp_shard under fsdp, beside `train.dp_replicate` replicas for HSDP). A world the other
         degrees do not divide is refused by the config rules before anything builds this."""
-        split = train.tp * train.pp
-        dp = max(1, world // split)
+        dp = max(1, data_parallel(world, train.tp, train.pp))
         if str(getattr(train.parallelism, "value", train.parallelism)) == "fsdp":
             return cls(train.dp_replicate, max(1, dp // train.dp_replicate), train.tp, train.pp)
         return cls(dp, 1, train.tp, train.pp)
@@ -78,6 +77,12 @@ class ParallelDims:
         if not dims:
             return None
         return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
+
+
+def data_parallel(world: int, tp: int = 1, pp: int = 1) -> int:
+    """The data-parallel ranks of `world` ranks split tp x pp ways (a layout being searched;
+    a config's: `ParallelDims.of(train, world).dp`)."""
+    return world // (tp * pp)
 
 
 def pipeline_microbatches(train) -> tuple[int, int]:

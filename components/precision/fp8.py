@@ -12,25 +12,26 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from components.config import Fp8Recipe, ModelConfig, Parallelism, TrainConfig
+from components.config import Fp8Recipe, ModelConfig, TrainConfig
+from components.models import spec_of
+from components.parallel import ParallelDims
 from components.precision.base import PrecisionError, fp8_eligible_dims
 from components.precision.bf16 import BF16
 
 if TYPE_CHECKING:
     import torch
 
-OUTPUT_HEAD = "lm_head"
 
-
-def module_filter(module: torch.nn.Module, fqn: str) -> bool:
-    """torchao's `module_filter_fn(module, fqn)`: which Linears become Float8Linear."""
+def module_filter(head: str):
+    """torchao's `module_filter_fn(module, fqn)`: which Linears become Float8Linear (every
+    eligible one but the model's output head, `head`)."""
     import torch
 
-    return (
-        isinstance(module, torch.nn.Linear)
-        and fqn != OUTPUT_HEAD
-        and fp8_eligible_dims(module.in_features, module.out_features)
-    )
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        linear = isinstance(module, torch.nn.Linear)
+        return linear and fqn != head and fp8_eligible_dims(module.in_features, module.out_features)
+
+    return keep
 
 
 def float8_modules(model: torch.nn.Module) -> list[str]:
@@ -123,7 +124,9 @@ class FP8(BF16):
         from torchao.float8.float8_linear import Float8Linear
 
         self.check_device(device)
-        convert_to_float8_training(model, config=self.float8_config(train, device), module_filter_fn=module_filter)
+        convert_to_float8_training(
+            model, config=self.float8_config(train, device), module_filter_fn=module_filter(spec_of(model).head)
+        )
         converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
         if not converted:
             raise PrecisionError("train.precision=fp8 but no Linear layer was eligible for Float8Linear")
@@ -142,9 +145,9 @@ class FP8(BF16):
         of more than one rank is sharded at all (see `parallel.wrap`)."""
         import torch.distributed as dist
 
-        data_parallel = dist.get_world_size() // (train.tp * train.pp) if dist.is_initialized() else 1
-        sharded = data_parallel > 1  # FSDP over 2+ data-parallel ranks (tp and pp ranks hold other parts)
-        return sharded and train.parallelism == Parallelism.fsdp and train.fp8_recipe == Fp8Recipe.tensorwise
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        sharded = ParallelDims.of(train, world).fsdp  # FSDP over 2+ data-parallel ranks
+        return sharded and train.fp8_recipe == Fp8Recipe.tensorwise
 
     def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:
         if fsdp and self.fsdp_float8_all_gather(train):

@@ -85,7 +85,7 @@ from dataclasses import asdict, dataclass, replace
 from components.config import ModelConfig, Parallelism, TrainConfig
 from components.config.bounds import PIPELINE_SCHEDULES
 from components.model_math import host_memory_bytes, mfu, param_tensors, planned_flops_per_token, stage_layers
-from components.parallel import pipeline_microbatches
+from components.parallel import ParallelDims, pipeline_microbatches
 from components.precision import Recipe, recipe
 
 GB = 1e9
@@ -131,12 +131,12 @@ def weight_copies(
 
     def cost(kinds: tuple[str, ...]) -> float:
         return sum(
-            n * precision.copy_bytes(kind in ("linear", "lm_head"), fp8, sharded, train)
+            n * precision.copy_bytes(kind in ("linear", "head"), fp8, sharded, train)
             for kind, n, fp8 in tensors
             if kind in kinds
         )
 
-    root = cost(("embed", "norm", "lm_head"))
+    root = cost(("embed", "norm", "head"))
     blocks = cost(("linear", "block_norm"))
     if sharded:
         return root + (blocks if train.pp > 1 else min(2, layers) * blocks / layers)
@@ -224,7 +224,7 @@ def pipeline_local(tensors: list[tuple[str, int, bool]], model: ModelConfig, sha
     embeddings on the first, the final norm and the head on the last."""
     per_block = sum(kind in ("linear", "block_norm") for kind, _, _ in tensors) // model.num_layers
     blocks = [t for t in tensors if t[0] in ("linear", "block_norm")][: share.layers * per_block]
-    ends = [t for t in tensors if (t[0] == "embed" and share.first) or (t[0] in ("norm", "lm_head") and share.last)]
+    ends = [t for t in tensors if (t[0] == "embed" and share.first) or (t[0] in ("norm", "head") and share.last)]
     return ends + blocks
 
 
@@ -240,9 +240,7 @@ def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: T
     n = sum(t[1] for t in tensors)
     if train.parallelism != Parallelism.fsdp:
         return 2 * 4 * n
-    gathered = sum(
-        k * precision.copy_bytes(kind in ("linear", "lm_head"), fp8, True, train) for kind, k, fp8 in tensors
-    )
+    gathered = sum(k * precision.copy_bytes(kind in ("linear", "head"), fp8, True, train) for kind, k, fp8 in tensors)
     reductions = 1 if syncs_only_the_last(train) else train.grad_accum_steps
     return 2 * train.grad_accum_steps * gathered + reductions * 4 * n
 
@@ -258,7 +256,7 @@ def syncs_only_the_last(train: TrainConfig) -> bool:
 def tp_local(tensors: list[tuple[str, int, bool]], tp: int) -> list[tuple[str, int, bool]]:
     """Each parameter tensor's elements on one tp rank: the blocks' Linears and the head split
     over tp; embeddings and norms whole (replicated)."""
-    return [(kind, n // tp if kind in ("linear", "lm_head") else n, fp8) for kind, n, fp8 in tensors]
+    return [(kind, n // tp if kind in ("linear", "head") else n, fp8) for kind, n, fp8 in tensors]
 
 
 def tp_comm_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, precision: Recipe) -> float:
@@ -310,10 +308,10 @@ def _plan_rank(model, train, world, seq_len, share, tflops, peak_tflops, busbw_g
     full = param_tensors(model)
     tensors = tp_local(pipeline_local(full, model, share), tp)  # what one tp rank of this pipeline rank holds
     n = sum(t[1] for t in tensors)
-    dp = world // (tp * pp)  # the data-parallel world
-    sharded = train.parallelism == Parallelism.fsdp and dp > 1
-    replicas = train.dp_replicate if sharded else 1  # HSDP: shard groups of dp / dp_replicate ranks
-    shard = dp // replicas if sharded else 1
+    dims = ParallelDims.of(train, world)
+    dp, sharded = dims.dp, dims.fsdp  # the data-parallel world; FSDP over it
+    replicas = dims.dp_replicate if sharded else 1  # HSDP: shard groups of dp / dp_replicate ranks
+    shard = dims.dp_shard if sharded else 1
     weights = 4 * n / shard
     grads = 4 * n / shard
     if sharded and syncs_only_the_last(train):

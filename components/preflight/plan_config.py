@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from components.config import Parallelism
+from components.parallel import ParallelDims
 from components.preflight.plan import Plan, fits, host_memory_gb, plan
 from components.summaries import gib
 
@@ -110,7 +111,8 @@ def shard_group_busbw(cfg, d: PlanDevice) -> float | None:
     spec = device(cfg.cluster.gpu_type) if cfg.cluster.gpu_type else None
     if t.parallelism != Parallelism.fsdp or (t.dp_replicate == 1 and t.pp == 1) or spec is None or d.busbw_gbps is None:
         return d.busbw_gbps
-    span = c.nodes * c.procs_per_node // t.dp_replicate // t.pp  # a shard group's dp ranks x their tp ranks
+    dims = ParallelDims.of(t, c.nodes * c.procs_per_node)
+    span = dims.dp_shard * dims.tp  # a shard group's dp ranks x their tp ranks
     return busbw_gbps(spec, -(-span // c.procs_per_node))
 
 

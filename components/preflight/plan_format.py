@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from components.parallel import pipeline_microbatches
+from components.parallel import ParallelDims, pipeline_microbatches
 from components.preflight.plan import Plan
 from components.preflight.plan_config import PlanDevice, as_overrides, plan_for, with_changes
 from components.summaries import gib
@@ -58,10 +58,8 @@ def seq_len_source(overrides: list[str], choices: Mapping[str, str | None]) -> s
 
 
 def global_batch(cfg) -> int:
-    world = cfg.cluster.nodes * cfg.cluster.procs_per_node
-    return (
-        cfg.train.micro_batch_size * cfg.train.grad_accum_steps * (world // (cfg.train.tp * cfg.train.pp))
-    )  # dp ranks
+    dims = ParallelDims.of(cfg.train, cfg.cluster.nodes * cfg.cluster.procs_per_node)
+    return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dims.dp
 
 
 def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
@@ -90,14 +88,14 @@ def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
 def _hsdp(t, world: int) -> str:
     if t.parallelism.value != "fsdp" or t.dp_replicate == 1:
         return ""
-    shard = world // t.tp // t.pp // t.dp_replicate
+    shard = ParallelDims.of(t, world).dp_shard
     return f" (HSDP: {t.dp_replicate} replicas x {shard}-rank shard groups, train.dp_replicate)"
 
 
 def _tp(t, world: int) -> str:
     if t.tp == 1:
         return ""
-    return f" x tensor parallel {t.tp} (train.tp; {world // t.tp // t.pp} data-parallel ranks)"
+    return f" x tensor parallel {t.tp} (train.tp; {ParallelDims.of(t, world).dp} data-parallel ranks)"
 
 
 def _pp(t, world: int) -> str:
@@ -105,7 +103,7 @@ def _pp(t, world: int) -> str:
         return ""
     micro, size = pipeline_microbatches(t)
     return (f" x pipeline parallel {t.pp} (train.pp, {t.pp_schedule}, {micro} micro-batches of {size};"
-            f" {world // t.tp // t.pp} data-parallel ranks; the larger end stage planned)")  # fmt: skip
+            f" {ParallelDims.of(t, world).dp} data-parallel ranks; the larger end stage planned)")  # fmt: skip
 
 
 def _sync(t) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from components.config import PIPELINE_SCHEDULES, Parallelism
 from components.config.rules import train_rules
+from components.parallel import data_parallel
 from components.preflight.plan import Plan, fits
 from components.preflight.plan_config import AC, MICRO_BATCH, PARALLELISM, as_overrides, plan_for, with_changes
 from components.preflight.plan_format import global_batch
@@ -48,7 +49,7 @@ def layouts(cfg) -> list[dict]:
     splits = (m.num_heads, m.num_kv_heads, m.ffn_hidden_size, c.procs_per_node)
     found = []
     for tp in (2**i for i in range(c.procs_per_node.bit_length())):
-        dp = world // tp
+        dp = data_parallel(world, tp=tp)
         if any(n % tp for n in splits) or (batch * tp) % world:
             continue
         for parallelism, replicas in _data_parallel(dp, c.nodes, tp == 1):
@@ -56,7 +57,7 @@ def layouts(cfg) -> list[dict]:
             found += _batchings(cfg, layout, batch // dp)
     spanning_nodes = {p for p in (2**i for i in range(1, c.nodes.bit_length())) if c.nodes % p == 0}
     for pp in sorted(spanning_nodes | ({cfg.train.pp} if cfg.train.pp > 1 else set())):  # and as configured
-        dp = world // pp
+        dp = data_parallel(world, pp=pp)
         if world % pp or batch % dp:
             continue
         for schedule in PIPELINE_SCHEDULES:

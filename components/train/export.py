@@ -9,15 +9,15 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from components.config import ModelConfig
-from components.train.model import llama_config
+from components.models import spec_for
 
 
 def export_hf(
     model: torch.nn.Module, cfg: ModelConfig, vocab_size: int, tokenizer_dir: Path, out: Path, rank: int
 ) -> None:
     """Gather the full weights (a collective: every rank calls it) and save them on rank 0
-    as a plain `LlamaForCausalLM` that `AutoModelForCausalLM.from_pretrained` loads."""
-    from transformers import LlamaForCausalLM
+    as its family's plain Hugging Face model (Llama: `LlamaForCausalLM`), which
+    `AutoModelForCausalLM.from_pretrained` loads."""
 
     if getattr(model, "pp_mesh", None) is not None:
         full = gather_stages(model, rank)
@@ -26,7 +26,7 @@ def export_hf(
     if rank != 0:
         return
     with torch.device("meta"):
-        plain = LlamaForCausalLM(llama_config(cfg, vocab_size))
+        plain = spec_for(cfg).build(cfg, vocab_size)
     plain.load_state_dict({k: v.to(torch.float32) for k, v in full.items()}, strict=True, assign=True)
     if out.exists():
         shutil.rmtree(out)

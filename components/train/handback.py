@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from components import checkpoint_format
 from components.config import as_plain_dict
+from components.models import spec_of
 from components.store import ArtifactStore, Ref, sha256_file
 from components.store.lease import check_held_by_launch
 from components.train.export import export_hf
 from components.train.job import Job, TrainState, micro_loss
-from components.train.nonfinite import forward_position
 from components.train.resume import Resumed
 from components.train.spec import WorkerResult
 
@@ -37,7 +37,7 @@ def probe_loss(job: Job) -> float | None:
     if n == 0:
         return None
     batch = torch.from_numpy(np.stack([val[i] for i in range(n)]).astype(np.int64)).to(job.device)
-    norm = next(m for name, m in job.model.named_modules() if name.endswith("input_layernorm"))
+    norm = next(m for name, m in job.model.named_modules() if name.endswith(spec_of(job.model).probe_norm))
 
     def record(module, args) -> None:  # returns None: the forward's inputs stay as they are
         job.forward_dtypes.setdefault("norm_weight", str(module.weight.dtype))
@@ -98,7 +98,8 @@ def pipeline_float8_modules(job: Job) -> list[str]:
         return job.float8_modules
     parts: list = [None] * dist.get_world_size(job.pipeline.group)
     dist.all_gather_object(parts, job.float8_modules, group=job.pipeline.group)
-    return sorted({n for part in parts for n in part}, key=lambda n: (forward_position(n), n))
+    spec = spec_of(job.model)
+    return sorted({n for part in parts for n in part}, key=lambda n: (spec.forward_position(n), n))
 
 
 def training_facts(job: Job) -> dict:

@@ -14,6 +14,10 @@ import torch
 from components.config import ModelConfig, TrainConfig
 from components.distributed import init_distributed
 from components.model_math import flops_per_token
+from components.models import build_model, count_params, token_loss
+from components.parallel import ParallelDims
+from components.parallel.apply import parallelize
+from components.parallel.pipeline import Pipeline
 from components.precision import Recipe, recipe
 from components.store import ArtifactStore, Ref, open_store
 from components.stream import StreamingBlocks, open_split
@@ -22,12 +26,9 @@ from components.train.collectives import Tracker, hand_back_hang
 from components.train.data import BlockSampler
 from components.train.grad_norms import LocalGradNorms
 from components.train.guards import Guards
-from components.train.model import build_model, count_params
 from components.train.monitor import Monitor, Watchdog
 from components.train.nonfinite import clean_name
 from components.train.optim import build_optimizer
-from components.train.parallel import ParallelDims, parallelize
-from components.train.pipeline_parallel import Pipeline, token_loss
 from components.train.prometheus import exporter_for
 from components.train.spec import TrainSpec
 from components.worker_side import REPORT_CONTEXT

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from components.models import ModelSpec
+
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod")  # activation checkpointing, torch.compile
 
 
@@ -46,22 +48,12 @@ def first_nonfinite_module(model: torch.nn.Module, forward: Callable[[], object]
     return found[0] if found else None
 
 
-def forward_position(name: str) -> tuple[int, int]:
-    """Where a module of the Llama decoder runs in a forward: the embeddings, then each block
-    by its index in the whole model (a pipeline stage keeps those names), then the final norm
-    and the head."""
-    parts = name.split(".")
-    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
-        return 1, int(parts[2])
-    return (0, 0) if parts[:2] == ["model", "embed_tokens"] else (2, 0 if parts[:2] == ["model", "norm"] else 1)
-
-
-def earliest_culprit(mine: str | None) -> str | None:
+def earliest_culprit(mine: str | None, spec: ModelSpec) -> str | None:
     """The first non-finite module of the whole forward, from every rank's own (a collective):
     under pipeline parallelism each rank sees only its stages' modules, and under data
     parallelism its own batch. Within one block (a stage holds it whole, so only data-parallel
     ranks tie there) the lowest rank's is kept."""
     found: list = [None] * dist.get_world_size()
     dist.all_gather_object(found, mine)
-    named = [(forward_position(n), rank, n) for rank, n in enumerate(found) if n is not None]
+    named = [(spec.forward_position(n), rank, n) for rank, n in enumerate(found) if n is not None]
     return min(named)[2] if named else None

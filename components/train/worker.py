@@ -21,17 +21,17 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from components import events
 from components.config import Guard, as_plain_dict, drop_none
+from components.models import count_params, spec_of
+from components.parallel.apply import gradient_sync
 from components.prelaunch import ResumeError
 from components.train import checkpoint as ckpt
 from components.train import sdc
 from components.train.guards import GuardHalt, add_window, past_skipped
 from components.train.handback import describe, finish, hand_back, training_facts
 from components.train.job import Job, TrainState, build_job, micro_loss
-from components.train.model import count_params
 from components.train.monitor import DeviceTimer, StepLine, device_peak_tflops, peak_memory_bytes, step_text
 from components.train.nonfinite import earliest_culprit, first_nonfinite_module
 from components.train.optim import clip_and_step, lr_at, set_lr
-from components.train.parallel import gradient_sync
 from components.train.profiler import Profiler
 from components.train.resume import Resumed, find_resume_checkpoint
 from components.train.rollback import quarantine_rank, restore_state, roll_back
@@ -159,7 +159,8 @@ def record_outcome(job: Job, state: TrainState, finding, stepped: bool, step_los
     elif not spike:
         state.skipped += 1
         state.bad_in_row += 1
-        culprit = earliest_culprit(first_nonfinite_module(job.model, lambda b=first_batch: micro_loss(job, b)))
+        mine = first_nonfinite_module(job.model, lambda b=first_batch: micro_loss(job, b))
+        culprit = earliest_culprit(mine, spec_of(job.model))
         job.monitor.event(
             "nonfinite_step",
             step=state.step,

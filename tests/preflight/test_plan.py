@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 
 from components.config import compose, defaults
 from components.devices import device
+from components.models import build_model
 from components.preflight.plan import fits, plan
 from components.preflight.plan_config import as_overrides, plan_for, with_changes
 from components.preflight.plan_format import global_batch
-from components.train.model import build_model
 from components.train.optim import build_optimizer
 from pipelines.cli import main
 
@@ -406,7 +406,7 @@ def test_a_pipeline_ranks_planned_weights_are_what_its_live_stages_hold():
     the embeddings and its blocks; the last: its blocks, the final norm and the head), exactly."""
     import contextlib
 
-    from components.train.pipeline_parallel import build_stages
+    from components.parallel.pipeline import build_stages
 
     model_cfg = defaults("model", vocab_size=1024, num_layers=5)
     model = build_model(model_cfg, 1024, seed=0)

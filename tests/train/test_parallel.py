@@ -20,10 +20,10 @@ def _fsdp_accumulation(rank: int, pg_file: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from components.config import defaults
+    from components.models import build_model
     from components.parallel import ParallelDims
+    from components.parallel.apply import gradient_sync, wrap
     from components.precision import recipe
-    from components.train.model import build_model
-    from components.train.parallel import gradient_sync, wrap
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=rank, world_size=WORLD)
@@ -57,7 +57,7 @@ def test_fsdp_reduce_scatters_every_micro_batch_by_default_and_both_ways_give_th
     yet (the unsharded one is FSDP's own). Either way the final gradient is the mean over both
     ranks' micro-batches, computed here by one unwrapped model."""
     from components.config import defaults
-    from components.train.model import build_model
+    from components.models import build_model
 
     out = tmp_path / "out.json"
     mp.spawn(_fsdp_accumulation, args=(str(tmp_path / "pg"), str(out)), nprocs=WORLD, join=True)

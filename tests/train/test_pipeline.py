@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from components.plots import read_records
 from tests.conftest import Trainer
 from tests.faults import injected, read_batches
@@ -61,6 +63,19 @@ def test_pp_x_tp_trains_the_losses_and_weights_of_one_process(trainer, one_proce
     assert held["pp_stages"] == 1 and held["params_held"] == 1 + 2 * BLOCK_PARAMS
     assert held["tp_params"] == 7 * 2 and held["fsdp"] == 0 and held["ddp"] == 0
     assert_trains_like(one_process, (pp_tp,))
+
+
+@pytest.mark.chaos_slow  # 8 processes on 2 cores: in `make chaos`; the 4-process PP x TP test is in `make test`
+def test_pp_x_tp_x_fsdp_on_eight_processes_trains_the_losses_and_weights_of_one_process(trainer, one_process):
+    """PP=2 x TP=2 x FSDP=2 on 2 nodes x 4 processes: each node a stage, in it 2 FSDP shards of
+    a TP pair; 2 data-parallel ranks of 4 sequences (each split into 2 pipeline micro-batches
+    of 2). fp32, 10 steps: losses within 1e-4 relative and weights within 1e-4 of the one
+    process; rank 0's 2 blocks' projections split over tp and its 2 blocks and stage FSDP units."""
+    run = trainer.run(*COMMON, "train.steps=10", "cluster.nodes=2", "cluster.procs_per_node=4", "train.pp=2",
+                      "train.tp=2", "train.parallelism=fsdp", "train.micro_batch_size=4")  # fmt: skip
+    held = run.result.wrapped_modules
+    assert held["pp_stages"] == 1 and held["tp_params"] == 7 * 2 and held["fsdp"] == 3
+    assert_trains_like(one_process, (run,))
 
 
 def test_a_pp_x_tp_checkpoint_resumes_under_fsdp_and_back_with_the_samples_and_weights_of_one_run(trainer):

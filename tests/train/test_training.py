@@ -412,7 +412,7 @@ def test_fsdp_trains_the_same_weights_as_ddp(trainer):
     a, b = final_weights(ddp), final_weights(fsdp)
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
-    from components.train.model import build_model
+    from components.models import build_model
 
     init = build_model(defaults("model"), 1024, seed=0).state_dict()
     assert max(float((a[k] - init[k]).abs().max()) for k in a) > 1e-3  # it did train
@@ -428,7 +428,7 @@ def test_hsdp_2x2_on_two_nodes_trains_the_losses_and_weights_of_one_process(trai
         *REFERENCE, "cluster.nodes=2", "cluster.procs_per_node=2", "train.parallelism=fsdp", "train.dp_replicate=2",
         "train.micro_batch_size=2",
     )  # fmt: skip
-    from components.train.model import build_model
+    from components.models import build_model
 
     params = len(list(build_model(defaults("model", num_layers=LAYOUT_BLOCKS), 1024, seed=0).parameters()))
     assert hsdp.result.world == 4 and hsdp.result.wrapped_modules["hsdp_params"] == params

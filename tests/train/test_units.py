@@ -91,7 +91,7 @@ def test_flops_per_token_matches_torch_flop_counter():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from components.train.model import build_model, count_params
+    from components.models import build_model, count_params
 
     cfg = defaults(
         "model", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=192

@@ -1,11 +1,12 @@
-"""Pipeline parallelism (torch.distributed.pipelining, as torchtitan applies it) on the Llama decoder.
+"""Pipeline parallelism (torch.distributed.pipelining, as torchtitan applies it), each stage its
+model family's `stage` (components/models/).
 
 The blocks are cut into `pp x v` stages of consecutive blocks (v = 1 for 1F1B and GPipe, 2 for
 interleaved 1F1B); stage s runs on pipeline rank s % pp ("loop" placement, so an interleaved
 rank holds stages r and r + pp). The first stage also holds the embeddings, the last the final
 norm and the head; tied embeddings are refused at compose (the two ends live on two ranks).
 
-Every stage is a `StageChunk` whose parameter names are the full model's (`model.layers.5...`,
+Every stage is a chunk whose parameter names are the full model's (for Llama `model.layers.5...`,
 `lm_head.weight`): blocks sit in a ModuleDict keyed by their index in the whole model. A rank's
 chunks are gathered under one `PipelineRank` module with those same names, which the optimizer,
 DCP and the export see: a checkpoint saved by any pipeline layout loads into any other, and
@@ -27,11 +28,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from components.config import PIPELINE_SCHEDULES
 from components.model_math import stage_layers
+from components.models import spec_of, token_loss
 from components.parallel import pipeline_microbatches
 
 SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}  # pipelining's names
@@ -41,56 +42,16 @@ def stages_per_rank(schedule: str) -> int:
     return PIPELINE_SCHEDULES[schedule]
 
 
-class StageChunk(nn.Module):
-    """One pipeline stage of a `LlamaForCausalLM`: a run of its blocks (the embeddings before
-    them on the first stage; the final norm and the head after them on the last), under the
-    full model's parameter names. In: token ids (first stage) or hidden states; out: hidden
-    states, or the logits on the last stage."""
-
-    def __init__(self, full: nn.Module, layers: range, first: bool, last: bool, autocast: Callable):
-        super().__init__()
-        self.first, self.last, self.config, self._autocast = first, last, full.config, autocast
-        self.model = nn.Module()
-        if first:
-            self.model.embed_tokens = full.model.embed_tokens
-        self.model.layers = nn.ModuleDict({str(i): full.model.layers[i] for i in layers})
-        if last:
-            self.model.norm = full.model.norm
-            self.lm_head = full.lm_head
-        self.model.rotary_emb = full.model.rotary_emb  # buffers only (not saved)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        with self._autocast():
-            h = self.model.embed_tokens(x) if self.first else x
-            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            rotary = self.model.rotary_emb(h, position_ids=positions)
-            mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                      past_key_values=None, position_ids=positions)  # fmt: skip
-            for block in self.model.layers.values():
-                h = block(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-            if self.last:
-                return self.lm_head(self.model.norm(h))
-            return h
-
-
 class PipelineRank(nn.Module):
     """This rank's stages as one module with the full model's parameter names (the optimizer,
     DCP and the export read it). Its forward is the pipeline's; `chunks` are not children."""
 
-    def __init__(self, full: nn.Module, chunks: list[StageChunk], stage_ids: list[int], num_stages: int):
+    def __init__(self, full: nn.Module, chunks: list[nn.Module], stage_ids: list[int], num_stages: int):
         super().__init__()
         self.config = full.config
-        self.model = nn.Module()
-        self.model.layers = nn.ModuleDict()
         for chunk in chunks:
-            for key, block in chunk.model.layers.items():
-                self.model.layers[key] = block
-            if chunk.first:
-                self.model.embed_tokens = chunk.model.embed_tokens
-            if chunk.last:
-                self.model.norm, self.lm_head = chunk.model.norm, chunk.lm_head
+            for name, part in chunk.parts().items():
+                _graft(self, name, part)
         self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages  # plain attributes
 
     @property
@@ -102,22 +63,29 @@ class PipelineRank(nn.Module):
         return self.num_stages - 1 in self.stage_ids
 
 
+def _graft(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` at dotted `name` under `root`, making plain containers on the way."""
+    *path, leaf = name.split(".")
+    for part in path:
+        if not hasattr(root, part):
+            root.add_module(part, nn.Module())
+        root = getattr(root, part)
+    root.add_module(leaf, module)
+
+
 def build_stages(
     model: nn.Module, pp_rank: int, pp: int, schedule: str, autocast: Callable
-) -> tuple[list[StageChunk], list[int]]:
-    """This rank's stage chunks (loop placement) and their stage indices."""
+) -> tuple[list[nn.Module], list[int]]:
+    """This rank's stage chunks (loop placement; each its family's `stage`, under the full
+    model's names) and their stage indices."""
     if model.config.tie_word_embeddings:
         raise ValueError("train.pp > 1 needs model.tie_embeddings=false: the embeddings and the head are on two ranks")
     v = stages_per_rank(schedule)
     ranges = stage_layers(model.config.num_hidden_layers, pp * v)
     ids = [pp_rank + k * pp for k in range(v)]
-    chunks = [StageChunk(model, ranges[s], s == 0, s == pp * v - 1, autocast) for s in ids]
+    spec = spec_of(model)
+    chunks = [spec.stage(model, ranges[s], s == 0, s == pp * v - 1, autocast) for s in ids]
     return chunks, ids
-
-
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean token cross-entropy (the schedule's loss_fn on the last stage; micro_loss's too)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 class Pipeline:

@@ -1,6 +1,6 @@
 """The one place that applies a layout (`ParallelDims`, components/parallel/): pipeline
-stages (components/train/pipeline_parallel.py), tensor parallelism in each
-(components/train/tensor_parallel.py), activation checkpointing, compile, then DDP, FSDP2
+stages (components/parallel/pipeline.py), tensor parallelism in each
+(components/parallel/tensor.py), activation checkpointing, compile, then DDP, FSDP2
 `fully_shard`, or HSDP (`fully_shard` on the (dp_replicate, dp_shard) dimensions)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import contextlib
 
 import torch
 
+from components.models import transformer_blocks
 from components.parallel import ParallelDims
 from components.precision import Recipe
-from components.train.model import transformer_blocks
 
 
 def apply_compile(model: torch.nn.Module) -> None:
@@ -26,13 +26,13 @@ def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch
     """The one place a layout is applied, in torchtitan's order, to a model whose precision
     conversion is done: PP split or TP -> activation checkpointing -> compile -> FSDP2 / HSDP
     or DDP. Under pipeline parallelism it returns this rank's `PipelineRank`."""
-    from components.train.activation_checkpoint import apply_activation_checkpointing
+    from components.parallel.checkpointing import apply_activation_checkpointing
 
     mesh = dims.mesh(device.type)
     if dims.pp > 1:
         return pipeline_rank(model, train, dims, device, precision, mesh)
     if dims.tp > 1:
-        from components.train.tensor_parallel import apply_tp
+        from components.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"])
     if train.activation_checkpointing:
@@ -45,8 +45,8 @@ def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch
 def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: torch.device, precision: Recipe, mesh):
     """Cut the model into this rank's pipeline stages; checkpoint, compile and wrap each
     (FSDP2 over the data-parallel dimensions); gather them under one module."""
-    from components.train.activation_checkpoint import apply_activation_checkpointing
-    from components.train.pipeline_parallel import PipelineRank, build_stages, stages_per_rank
+    from components.parallel.checkpointing import apply_activation_checkpointing
+    from components.parallel.pipeline import PipelineRank, build_stages, stages_per_rank
 
     sharded = dims.fsdp
     pp_rank = mesh["pp"].get_local_rank()
@@ -54,7 +54,7 @@ def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: tor
     wrapped = []
     for chunk in chunks:
         if dims.tp > 1:  # each stage's blocks (and its ends) split over the stage's tp ranks
-            from components.train.tensor_parallel import apply_tp
+            from components.parallel.tensor import apply_tp
 
             apply_tp(chunk, mesh["tp"])
         if train.activation_checkpointing:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from components.train.model import transformer_blocks
+from components.models import transformer_blocks
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, every_n: int) -> int:

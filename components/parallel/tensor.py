@@ -1,4 +1,5 @@
-"""Tensor parallelism (Megatron-style, as torchtitan applies it) on the Llama decoder.
+"""Tensor parallelism (Megatron-style, as torchtitan applies it), by the family's `tp_plan`
+(components/models/). For Llama:
 
 In each block the attention's q/k/v and the MLP's gate/up projections are split by output
 features (`ColwiseParallel`: each rank computes its heads, its FFN columns) and o/down by input
@@ -9,7 +10,7 @@ its logits gathered, so the loss is the plain cross-entropy on full logits. Embe
 RMSNorms stay whole, their parameters replicated DTensors on the same mesh (`Replicated`),
 so every parameter is a DTensor on one mesh: the optimizer, the gradient norm and DCP treat
 them alike. Under pipeline parallelism each stage is split the same way over its own tp ranks
-(components/train/parallel.py): the hidden states between stages are whole, plain tensors.
+(components/parallel/apply.py): the hidden states between stages are whole, plain tensors.
 Sequence parallelism of the norms and a loss-parallel head are not built: the norms'
 activations are whole on every rank (the planner counts them so).
 
@@ -24,11 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from components.train.model import transformer_blocks
-
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-NORMS = ("input_layernorm", "post_attention_layernorm")
+from components.models import spec_of
 
 
 class Replicated(ParallelStyle):
@@ -51,23 +48,28 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=inputs_in, output_fn=output_out)
 
 
-def tp_plan(block: torch.nn.Module, float8: bool) -> dict[str, ParallelStyle]:
-    if float8:
-        from torchao.float8.float8_linear import Float8Linear
-        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+def _styles(names: dict[str, str], module: torch.nn.Module, float8: bool) -> dict[str, ParallelStyle]:
+    """The ParallelStyles for a family's plan (components/models/: "colwise", "rowwise",
+    "replicate", "head"): fp8 Linears take torchao's float8 styles, which cast before the
+    collectives."""
+    from torchao.float8.float8_linear import Float8Linear
 
-        def styles(name: str):
-            fp8 = isinstance(block.get_submodule(name), Float8Linear)
-            return (Float8ColwiseParallel, Float8RowwiseParallel) if fp8 else (ColwiseParallel, RowwiseParallel)
-    else:
+    def linear(name: str, kind: str) -> ParallelStyle:
+        if float8 and isinstance(module.get_submodule(name), Float8Linear):
+            from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-        def styles(name: str):
-            return ColwiseParallel, RowwiseParallel
+            return Float8ColwiseParallel() if kind == "colwise" else Float8RowwiseParallel()
+        return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
 
-    plan: dict[str, ParallelStyle] = {name: styles(name)[0]() for name in COLWISE}
-    plan.update({name: styles(name)[1]() for name in ROWWISE})
-    plan.update({name: Replicated() for name in NORMS})
-    return plan
+    out: dict[str, ParallelStyle] = {}
+    for name, kind in names.items():
+        if kind == "replicate":
+            out[name] = Replicated()
+        elif kind == "head":  # split by vocabulary, the logits gathered
+            out[name] = ColwiseParallel(output_layouts=Replicate())
+        else:
+            out[name] = linear(name, kind)
+    return out
 
 
 def check_divisible(model: torch.nn.Module, tp: int) -> None:
@@ -84,23 +86,23 @@ def check_divisible(model: torch.nn.Module, tp: int) -> None:
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard the model, or one pipeline stage of it (a `StageChunk`: its blocks, and the ends it
-    holds), in place over `tp_mesh` (after the precision conversion, before activation
-    checkpointing, compile and FSDP)."""
+    """Shard the model, or one pipeline stage of it (its blocks, and the ends it holds), in place
+    over `tp_mesh` as its family's `tp_plan` says (after the precision conversion, before
+    activation checkpointing, compile and FSDP)."""
     from torchao.float8.float8_linear import Float8Linear
 
     check_divisible(model, tp_mesh.size())
+    spec = spec_of(model)
     float8 = any(isinstance(m, Float8Linear) for m in model.modules())
-    for block in transformer_blocks(model).children():  # a ModuleList, or a stage's ModuleDict
-        parallelize_module(block, tp_mesh, tp_plan(block, float8))
     tied = model.config.tie_word_embeddings
-    head = Replicated() if tied else ColwiseParallel(output_layouts=Replicate())  # gathered logits
-    ends = {"model.embed_tokens": Replicated(), "model.norm": Replicated(), "lm_head": head}
-    held = {name: style for name, style in ends.items() if _holds(model, name)}
+    per_block, ends = spec.tp_plan(tied)
+    for block in spec.blocks(model).children():  # a ModuleList, or a stage's ModuleDict
+        parallelize_module(block, tp_mesh, _styles(per_block, block, float8))
+    held = {name: kind for name, kind in ends.items() if _holds(model, name)}
     if held:
-        parallelize_module(model, tp_mesh, held)
+        parallelize_module(model, tp_mesh, _styles(held, model, False))  # the ends are never fp8
     if tied:  # distribute_module gave each its own Parameter: share the embedding's again
-        model.lm_head.weight = model.model.embed_tokens.weight
+        spec.tie_again(model)
 
 
 def _holds(model: torch.nn.Module, name: str) -> bool:

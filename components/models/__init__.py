@@ -1,0 +1,100 @@
+"""Model families on the shared floor: each a `ModelSpec`, the one place that knows its layout.
+
+A family is one file here (its spec and its modules), its YAML under conf/model/, and one line in
+`FAMILIES`. The train stage, validate and evaluate, the planner, tensor and pipeline parallelism
+and the benchmarks get the model through these functions; nothing outside this folder names a
+family's module path (tests/test_layout.py checks the source).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from components.config import ModelConfig
+from components.models.llama import Llama
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class ModelSpec(Protocol):
+    """What the project needs to know of a model family."""
+
+    family: str
+    model_type: str  # the Hugging Face config's model_type of what `build` makes
+    head: str  # the output head's module name (never fp8)
+    probe_norm: str  # the suffix of a norm whose weight dtype says what the forward computes in
+    buffer_prefix: str  # the only buffers (not saved), rebuilt by `rebuild_buffers`
+
+    def hf_config(self, cfg: ModelConfig, vocab_size: int): ...  # the export's config.json
+
+    def build(self, cfg: ModelConfig, vocab_size: int, seed: int | None = None) -> nn.Module: ...
+
+    def blocks(self, model: nn.Module) -> nn.Module: ...  # the repeated blocks (AC, FSDP units, stages)
+
+    def embeddings(self, model: nn.Module) -> nn.Module: ...
+
+    def tp_plan(self, tied: bool) -> tuple[dict[str, str], dict[str, str]]: ...  # per block, the ends
+
+    def tie_again(self, model: nn.Module) -> None: ...
+
+    def stage(self, full: nn.Module, layers: range, first: bool, last: bool, autocast: Callable) -> nn.Module: ...
+
+    def rebuild_buffers(self, model: nn.Module, config, device: torch.device) -> None: ...
+
+    def forward_position(self, name: str) -> tuple[int, int]: ...  # order in the forward (non-finite culprit)
+
+    def param_tensors(self, model: ModelConfig) -> list[tuple[str, int, bool]]: ...  # the planner's tensors
+
+
+FAMILIES: dict[str, ModelSpec] = {"llama": Llama()}
+
+
+def spec_for(cfg: ModelConfig) -> ModelSpec:
+    """The family a `model` config builds."""
+    return FAMILIES[getattr(cfg, "family", None) or "llama"]
+
+
+def spec_of(model: nn.Module) -> ModelSpec:
+    """The family of a built model (a pipeline stage of one, or one DDP wraps), by its config's
+    model_type."""
+    config = getattr(getattr(model, "module", model), "config", None)  # DDP keeps it in .module
+    kind = getattr(config, "model_type", "llama")
+    return next(spec for spec in FAMILIES.values() if spec.model_type == kind)
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
+    """A freshly initialized model in fp32 (master weights stay fp32 whatever the compute precision)."""
+    return spec_for(cfg).build(cfg, vocab_size, seed)
+
+
+def transformer_blocks(model: nn.Module) -> nn.Module:
+    return spec_of(model).blocks(model)
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings:
+        n -= spec_of(model).embeddings(model).weight.numel()
+    return n
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean token cross-entropy every layout trains on (the pipeline schedule's loss_fn too)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+__all__ = [
+    "FAMILIES",
+    "ModelSpec",
+    "build_model",
+    "count_params",
+    "spec_for",
+    "spec_of",
+    "token_loss",
+    "transformer_blocks",
+]
