@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from components.config import ActivationCheckpointing as AC
 from components.config import Fp8Recipe, ModelConfig, Parallelism, Precision, TrainConfig, defaults
 
 PRESETS = ("7b", "1b")  # largest first
@@ -45,7 +46,7 @@ def train_config(precision: str, recipe_name: str, ac_every: int, micro: int) ->
         "train",
         precision=Precision(precision),
         fp8_recipe=Fp8Recipe(recipe_name),
-        activation_checkpointing=ac_every > 0,
+        activation_checkpointing=AC.full if ac_every > 0 else AC.off,
         ac_every_n_blocks=max(ac_every, 1),
         micro_batch_size=micro,
         parallelism=Parallelism.ddp,
@@ -117,7 +118,7 @@ def run_case(model_name: str, precision: str, recipe_name: str, ac_every: int, m
     r = recipe(train.precision)
     r.apply(model, train, device)
     if train.activation_checkpointing:
-        apply_activation_checkpointing(model, train.ac_every_n_blocks)
+        apply_activation_checkpointing(model, "full", train.ac_every_n_blocks)
     if train.compile:
         apply_compile(model)
     optimizer = build_optimizer(model, train)

@@ -41,7 +41,7 @@ SHAPE = [
     "cluster.nodes=1",
     "cluster.procs_per_node=1",
     "train.precision=bf16",
-    "train.activation_checkpointing=false",
+    "train.activation_checkpointing=off",
 ]
 
 

@@ -8,7 +8,8 @@ checkpointing, the block inputs the checkpoints hold for their recompute. Under 
 planned figure there adds the recipe's weight copies. The same again for one rank of a
 tensor-parallel pair (`train.tp=2`, under torch's fake process group: one process, a rank's
 real shards). `ratio` = measured / planned, the worst (farthest from 1) of fp32, bf16 and fp8,
-each with and without activation checkpointing, with tp 1 and 2; target [0.9, 1.1].
+each with activation checkpointing off, full and selective (the per-op policy's kept outputs
+read from its own cache), with tp 1 and 2; target [0.9, 1.1].
 
 Pipeline parallelism (`train.pp=2`, rows `pp2_<schedule>_rank<r>`): two real ranks under
 torchrun (gloo) run one optimizer step of 4 micro-batches through torch's schedule (1F1B,
@@ -23,12 +24,14 @@ stage then holds 1.35x (a one-time cost the plan does not count).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
 import torch
 
 from benchmarks.common import report
+from components.config import ActivationCheckpointing as AC
 from components.config import ModelConfig, Parallelism, Precision, TrainConfig, defaults
 
 SHAPE_125M = dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, ffn_hidden_size=2048)
@@ -85,15 +88,36 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
     def held_for_recompute(module, args, kwargs) -> None:
         keep(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
 
-    if train.activation_checkpointing:
-        for i, block in enumerate(transformer_blocks(model)):
-            if i % train.ac_every_n_blocks == 0:
-                block.register_forward_pre_hook(held_for_recompute, with_kwargs=True)
+    def selective_saves(context_fn):  # what the per-op policy keeps: the forward's cache of op outputs
+        def counted():
+            caching, cached = context_fn()
+            kept.append(caching.storage)
+            return caching, cached
+
+        return counted
+
+    kept: list[dict] = []
+    for i, block in enumerate(transformer_blocks(model)):
+        if train.activation_checkpointing == AC.selective or (
+            train.activation_checkpointing and i % train.ac_every_n_blocks == 0
+        ):
+            block.register_forward_pre_hook(held_for_recompute, with_kwargs=True)
+        if train.activation_checkpointing == AC.selective:
+            fn = block.checkpoint_fn
+            block.checkpoint_fn = functools.partial(
+                fn.func, *fn.args, **{**fn.keywords, "context_fn": selective_saves(fn.keywords["context_fn"])}
+            )
     ids = torch.randint(0, model_cfg.vocab_size, (train.micro_batch_size, seq_len + 1))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with precision.autocast(torch.device("cpu"), fsdp=False):
             logits = model(input_ids=ids[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+    for storage in kept:  # {op: {call index: its outputs, each wrapped (`.val`), or a recompute mark}}
+        for calls in storage.values():
+            for outputs in calls.values():
+                for leaf in torch.utils._pytree.tree_leaves(outputs):
+                    if isinstance(getattr(leaf, "val", None), torch.Tensor):
+                        keep(leaf.val)
     del loss, logits
     return sum(saved.values())
 
@@ -155,7 +179,7 @@ def pp_rank_peak(schedule: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_PP)
-    train = defaults("train", precision=Precision.fp32, activation_checkpointing=False, micro_batch_size=PP_MICRO,
+    train = defaults("train", precision=Precision.fp32, activation_checkpointing=AC.off, micro_batch_size=PP_MICRO,
                      grad_accum_steps=PP_STEPS, pp=2, pp_schedule=schedule, parallelism=Parallelism.ddp)  # fmt: skip
     cpu, precision = torch.device("cpu"), recipe(train.precision)
     model = parallelize(build_model(model_cfg, model_cfg.vocab_size, seed=0), train, ParallelDims.of(train, 2), cpu,
@@ -204,29 +228,46 @@ def pp_rows(schedules=("1f1b", "interleaved_1f1b", "gpipe")) -> dict:
     return rows
 
 
+SEQ, MICRO = 512, 2
+
+
+def saved_row(tp: int, precision: str, ac: str) -> dict:
+    """One row, measured in this process (a fresh one per row: each row's model leaves ~1 GB
+    the process does not give back, and 18 rows would not fit in one)."""
+    torch.set_num_threads(2)
+    fake_tp_world()
+    model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
+    train = defaults("train", precision=Precision(precision), activation_checkpointing=AC(ac), micro_batch_size=MICRO,
+                     parallelism=Parallelism.ddp, tp=tp)  # fmt: skip
+    measured, planned = measured_bytes(model_cfg, train, SEQ), planned_bytes(model_cfg, train, SEQ)
+    return {"measured_mb": measured / 1e6, "planned_mb": planned / 1e6, "ratio": measured / planned}
+
+
+def saved_rows() -> dict:
+    """Every precision x checkpointing policy, with tp 1 and 2, each row in its own process."""
+    import subprocess
+    from pathlib import Path
+
+    rows = {}
+    for tp in (1, 2):
+        for precision in (Precision.fp32, Precision.bf16, Precision.fp8):
+            for ac in AC:
+                cmd = [sys.executable, "-m", "benchmarks.planner_accuracy", "--row", str(tp), precision.value, ac.value]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                                     timeout=600)  # fmt: skip
+                key = f"{'tp2_' if tp > 1 else ''}{precision.value}{'_' + ac.value if ac else ''}"
+                rows[key] = json.loads(out.stdout.strip().splitlines()[-1])
+                print(json.dumps({key: rows[key]}), flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--pp-rank"]:
         return pp_rank_peak(argv[1], argv[2])
-    torch.set_num_threads(2)
-    model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
-    seq_len, micro = 512, 2
-    rows = {}
-    fake_tp_world()
-    for tp in (1, 2):
-        for precision in (Precision.fp32, Precision.bf16, Precision.fp8):
-            for ac in (False, True):
-                train = defaults(
-                    "train",
-                    precision=precision,
-                    activation_checkpointing=ac,
-                    micro_batch_size=micro,
-                    parallelism=Parallelism.ddp,
-                    tp=tp,
-                )
-                measured, planned = measured_bytes(model_cfg, train, seq_len), planned_bytes(model_cfg, train, seq_len)
-                key = f"{'tp2_' if tp > 1 else ''}{precision.value}{'_ac' if ac else ''}"
-                rows[key] = {"measured_mb": measured / 1e6, "planned_mb": planned / 1e6, "ratio": measured / planned}
-                print(json.dumps({key: rows[key]}), flush=True)
+    if argv[:1] == ["--row"]:
+        return print(json.dumps(saved_row(int(argv[1]), argv[2], argv[3])))
+    seq_len, micro = SEQ, MICRO
+    rows = saved_rows()
     rows.update(pp_rows())
     worst_key = max(rows, key=lambda k: abs(rows[k]["ratio"] - 1))
     worst = rows[worst_key]

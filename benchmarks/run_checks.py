@@ -35,7 +35,7 @@ SHAPE = [
     "cluster.nodes=2",
     "cluster.procs_per_node=1",
     "train.precision=fp32",
-    "train.activation_checkpointing=false",
+    "train.activation_checkpointing=off",
 ]
 CHECKS = {
     "checks": ["train.sdc_interval=50", "train.on_spike=rollback"],

@@ -52,7 +52,7 @@ SHAPE = [
     "cluster.nodes=2",
     "cluster.procs_per_node=1",
     "train.precision=fp32",
-    "train.activation_checkpointing=false",
+    "train.activation_checkpointing=off",
 ]
 
 

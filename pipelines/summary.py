@@ -38,7 +38,9 @@ def stage_plan(name: str, cfg) -> str:
         return f"{c.nodes} node(s) x {c.procs_per_node} process(es) on {_value(c.scheduler)}: benchmarks and the plan"
     if name == "train":
         parts = [f"{c.nodes} node{'s' if c.nodes > 1 else ''}", _value(t.precision)]
-        parts += ["activation checkpointing"] if t.activation_checkpointing else []
+        parts += (
+            [f"{_value(t.activation_checkpointing)} activation checkpointing"] if t.activation_checkpointing else []
+        )
         parts += [_value(t.parallelism), f"{t.steps} steps"]
         if t.metrics_port:
             local = _value(c.scheduler) == "local_cwd"

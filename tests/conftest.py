@@ -164,7 +164,7 @@ class Trainer:
 
     # One fp32 process: fast runs for the tests of everything but precision and distribution;
     # the tests of the shipped 2-node fp8 default name those settings themselves.
-    FAST = ("cluster.nodes=1", "train.precision=fp32", "train.activation_checkpointing=false")
+    FAST = ("cluster.nodes=1", "train.precision=fp32", "train.activation_checkpointing=off")
 
     def config(self, *overrides: str):
         base = [f"data.paths=[{CORPUS}]", f"train.run_dir={self.tmp / 'runs'}", "train.log_interval=1", *self.FAST]

@@ -46,7 +46,7 @@ LAYOUT = ["train.precision=fp32", "train.warmup_steps=2", "train.checkpoint_inte
 LAYOUT_BLOCKS = 4
 
 # one process in fp32: four whole runs of the DAG at toy size
-TOY = [*FAST, "cluster.nodes=1", "train.precision=fp32", "train.activation_checkpointing=false"]
+TOY = [*FAST, "cluster.nodes=1", "train.precision=fp32", "train.activation_checkpointing=off"]
 
 CLUSTER = [
     "cluster=kubernetes",
@@ -62,7 +62,7 @@ CLUSTER = [
 FSDP_FP8_AC_COMPILE = [
     "train.parallelism=fsdp",
     "train.precision=fp8",
-    "train.activation_checkpointing=true",
+    "train.activation_checkpointing=full",
     "train.compile=true",
     "train.grad_accum_steps=2",
     "train.micro_batch_size=4",

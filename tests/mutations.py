@@ -305,6 +305,23 @@ MUTATIONS = [
         ("tests/test_layout.py::test_only_the_model_families_name_their_module_paths",),
     ),
     Mutation(
+        "selective checkpointing: blocks checkpointed whole (the per-op policy's context dropped)",
+        "components/parallel/checkpointing.py",
+        "checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)",
+        "checkpoint_wrapper(block, preserve_rng_state=False)",
+        (
+            "tests/preflight/test_plan.py::test_planned_activations_match_what_autograd_saves",
+            "tests/train/test_training.py::test_selective_checkpointing_wraps_every_block_and_trains_the_losses_of_one_process",
+        ),
+    ),
+    Mutation(
+        "selective checkpointing: every matmul's output kept, not every other",
+        "components/parallel/checkpointing.py",
+        "        every_other = func == _aten.mm.default and counts[mode] % 2 == 0\n",
+        "        every_other = False\n",
+        ("tests/preflight/test_plan.py::test_planned_activations_match_what_autograd_saves",),
+    ),
+    Mutation(
         "pp: the gradient norm clipped per stage, not over every stage",
         "components/train/optim.py",
         "        dist.all_reduce(squares, group=pp_group)\n",

@@ -310,7 +310,7 @@ def two_models(tmp_path):
             "run_dir": "/scratch/runs",
             "log_interval": 1,
             "checkpoint_keep": 5,
-            "activation_checkpointing": True,
+            "activation_checkpointing": "full",
         },
     ]
     models = []

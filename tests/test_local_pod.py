@@ -79,7 +79,7 @@ def test_a_killed_node_and_wiped_disks_resume_from_the_store_to_identical_weight
     """2 nodes, fp8 + activation checkpointing: node 1 dies whole (its agent and worker) after
     step 10 is stored; the job fails. Every node directory is wiped (new machines), and the
     rerun resumes from the store at step 10, to the weights of an uninterrupted run."""
-    common = [*TWO_NODES, "train.precision=fp8", "train.activation_checkpointing=true", "train.steps=30"]
+    common = [*TWO_NODES, "train.precision=fp8", "train.activation_checkpointing=full", "train.steps=30"]
     common += ["train.checkpoint_interval=10"]
     clean = Trainer(dataset_store, tmp_path / "clean").run(*common)
     trainer = Trainer(dataset_store, tmp_path / "killed")

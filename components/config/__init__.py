@@ -40,6 +40,7 @@ from components.config.rules import (
 from components.config.schema import (
     GROUP_SCHEMAS,
     GROUPS,
+    ActivationCheckpointing,
     ClusterConfig,
     Config,
     DataConfig,
@@ -80,6 +81,7 @@ __all__ = [
     "KfpConfig",
     "ModelConfig",
     "Guard",
+    "ActivationCheckpointing",
     "Parallelism",
     "PIPELINE_SCHEDULES",
     "Precision",

@@ -28,6 +28,19 @@ class Fp8Recipe(str, Enum):
     rowwise_with_gw_hp = "rowwise_with_gw_hp"
 
 
+class ActivationCheckpointing(str, Enum):
+    """What a block keeps for backward: everything (off); only its input, the whole block
+    recomputed (full, every `ac_every_n_blocks`-th block); or some op outputs, per
+    components/parallel/checkpointing.py's rule (selective, every block). True where it is on."""
+
+    off = "off"
+    selective = "selective"
+    full = "full"
+
+    def __bool__(self) -> bool:
+        return self is not ActivationCheckpointing.off
+
+
 class Parallelism(str, Enum):
     ddp = "ddp"
     fsdp = "fsdp"
@@ -112,8 +125,8 @@ class ModelConfig:
 class TrainConfig:
     precision: Precision = MISSING
     fp8_recipe: Fp8Recipe = MISSING
-    activation_checkpointing: bool = MISSING
-    ac_every_n_blocks: int = MISSING  # checkpoint every n-th transformer block
+    activation_checkpointing: ActivationCheckpointing = MISSING  # off | selective | full
+    ac_every_n_blocks: int = MISSING  # full: checkpoint every n-th transformer block
     compile: bool | None = MISSING  # torch.compile per block; None: on GPU, off on CPU
     parallelism: Parallelism = MISSING
     dp_replicate: int = MISSING  # HSDP (fsdp only): replicas of the FSDP shard groups; 1 = plain FSDP

@@ -33,8 +33,11 @@ h = hidden, L = layers, a = heads):
   4·h·kv_heads/a + 8·ffn, the residual stream and RMSNorm internals staying fp32; k and v
   are saved at their own width, SDPA running grouped-query attention without repeating
   them). The head saves 4·V (fp32 log-softmax for the loss) + `head_bytes_per_hidden`·h +
-  36. With activation checkpointing a checkpointed block keeps only its fp32 input (4·h per
-  token), and one block's full activations are live again while it is recomputed in backward.
+  36. With full activation checkpointing a checkpointed block keeps only its fp32 input (4·h
+  per token); with selective (every block, components/parallel/checkpointing.py's rule) also
+  q, v, gate and attention's output (c·(2h + kv + ffn) / tp at the compute dtype's c bytes),
+  down's partial sum (c·h, whole) and the log-sum-exp (4·a / tp); either way one block's full
+  activations are live again while it is recomputed in backward.
 - FLOPs per token: 6N + 12·L·a·(h/a)·s (PaLM's MFU accounting).
 - Step time: compute = (FLOPs per token + the forward recomputed under activation
   checkpointing: 2·N_blocks + 4·L·a·(h/a)·s per checkpointed block's share) x tokens per
@@ -82,7 +85,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from components.config import ModelConfig, Parallelism, TrainConfig
+from components.config import ActivationCheckpointing, ModelConfig, Parallelism, TrainConfig
 from components.config.bounds import PIPELINE_SCHEDULES
 from components.model_math import host_memory_bytes, mfu, param_tensors, planned_flops_per_token, stage_layers
 from components.parallel import ParallelDims, pipeline_microbatches
@@ -142,7 +145,7 @@ def weight_copies(
         return root + (blocks if train.pp > 1 else min(2, layers) * blocks / layers)
     if not train.activation_checkpointing:
         return root + blocks
-    kept = -(-layers // train.ac_every_n_blocks)
+    kept = checkpointed(layers, train)
     return root + blocks * (layers - kept + (1 if recompute else 0)) / layers
 
 
@@ -164,8 +167,23 @@ def activation_bytes(
     head = tokens * (4 * (model.vocab_size or 0) + precision.head_bytes_per_hidden * h + 36) if head_too else 0.0
     if not train.activation_checkpointing:
         return L * block + head
-    kept = -(-L // train.ac_every_n_blocks)  # checkpointed blocks keep their fp32 input only
-    return kept * tokens * 4 * h + (L - kept) * block + head + (block if recompute else 0.0)
+    kept = checkpointed(L, train)  # checkpointed blocks keep their fp32 input
+    if train.activation_checkpointing == ActivationCheckpointing.selective:  # and the outputs the rule saves
+        c = 4 if precision.compute_dtype == "float32" else 2
+        saved = c * (h + kv + f + h) + 4 * a  # q, v, gate and attention's output (split), its log-sum-exp
+        kept_bytes = tokens * (4 * h + c * h + saved / tp)  # the input, down's partial sum (whole)
+    else:
+        kept_bytes = tokens * 4 * h
+    return kept * kept_bytes + (L - kept) * block + head + (block if recompute else 0.0)
+
+
+def checkpointed(layers: int, train: TrainConfig) -> int:
+    """Blocks under activation checkpointing: every n-th (full) or every one (selective)."""
+    if not train.activation_checkpointing:
+        return 0
+    if train.activation_checkpointing == ActivationCheckpointing.selective:
+        return layers
+    return -(-layers // train.ac_every_n_blocks)
 
 
 def in_flight(schedule: str, pp: int, micro: int, rank: int) -> int:
@@ -228,8 +246,19 @@ def pipeline_local(tensors: list[tuple[str, int, bool]], model: ModelConfig, sha
     return ends + blocks
 
 
+def recomputed_flops(model: ModelConfig, train: TrainConfig, n_blocks: int, seq_len: int) -> float:
+    """Forward FLOPs per token done again in backward: a fully checkpointed block's whole
+    forward (2 x its parameters + attention's 4·a·(h/a)·s); under selective checkpointing only
+    the matmuls whose outputs the rule does not keep (k, o and up: attention is never redone)."""
+    h, a, L = model.hidden_size, model.num_heads, model.num_layers
+    if train.activation_checkpointing == ActivationCheckpointing.selective:
+        kv = h // a * model.num_kv_heads
+        return 2 * L * (h * kv + h * h + h * model.ffn_hidden_size)
+    return checkpointed_blocks(model, train) / L * (2 * n_blocks + 4 * L * h * seq_len)
+
+
 def checkpointed_blocks(model: ModelConfig, train: TrainConfig) -> int:
-    return -(-model.num_layers // train.ac_every_n_blocks) if train.activation_checkpointing else 0
+    return checkpointed(model.num_layers, train)
 
 
 def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: TrainConfig) -> float:
@@ -324,11 +353,10 @@ def _plan_rank(model, train, world, seq_len, share, tflops, peak_tflops, busbw_g
         total = weights + optimizer + copies + max(grads, acts)
     else:
         total = weights + grads + optimizer + copies + acts
-    h, a, s, b, L = model.hidden_size, model.num_heads, seq_len, train.micro_batch_size, model.num_layers
-    head_dim = h // a
+    h, s, b = model.hidden_size, seq_len, train.micro_batch_size
     fpt = planned_flops_per_token(model, s)
     n_blocks = sum(k for kind, k, _ in full if kind in ("linear", "block_norm"))
-    recompute = checkpointed_blocks(model, train) / L * (2 * n_blocks + 4 * L * a * head_dim * s)
+    recompute = recomputed_flops(model, train, n_blocks, s)
     step = compute = comm = tps = utilization = None
     if tflops:
         tokens_per_replica = b * train.grad_accum_steps * s  # what one data-parallel rank (its tp ranks) reads

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from components.config import Parallelism
+from components.config import ActivationCheckpointing, Parallelism
 from components.parallel import ParallelDims
 from components.preflight.plan import Plan, fits, host_memory_gb, plan
 from components.summaries import gib
@@ -137,15 +137,18 @@ def _fits_with(cfg, changes: dict) -> bool:
 
 def _candidates(cfg):
     """Changes in order of cost, each adding to the last: FSDP's reduce-scatter after every
-    micro-batch (sharded gradients accumulate), activation checkpointing on, FSDP instead of
+    micro-batch (sharded gradients accumulate), activation checkpointing selective then full, FSDP instead of
     DDP, the micro batch halved down to 1, every GPU of a node used, then 2x, 4x, 8x and 16x
     the nodes."""
     t, c, changes = cfg.train, cfg.cluster, {}
     if not t.fsdp_sync_every_microbatch:
         changes[FSDP_SYNC] = True
         yield dict(changes)
-    if not t.activation_checkpointing:
-        changes[AC] = True
+    if not t.activation_checkpointing:  # selective first: it recomputes less
+        changes[AC] = ActivationCheckpointing.selective
+        yield dict(changes)
+    if t.activation_checkpointing != ActivationCheckpointing.full:
+        changes[AC] = ActivationCheckpointing.full
         yield dict(changes)
     if t.parallelism != Parallelism.fsdp:
         changes[PARALLELISM] = Parallelism.fsdp

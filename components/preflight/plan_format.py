@@ -64,7 +64,8 @@ def global_batch(cfg) -> int:
 
 def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
     t, c = cfg.train, cfg.cluster
-    ac = f"on, every {t.ac_every_n_blocks} block(s)" if t.activation_checkpointing else "off"
+    ac = {"full": f"full, every {t.ac_every_n_blocks} block(s)", "selective": "selective (per op), every block"}
+    ac = ac.get(getattr(t.activation_checkpointing, "value", t.activation_checkpointing), "off")
     fp8 = f" ({t.fp8_recipe.value})" if t.precision.value == "fp8" else ""
     busbw = f"{d.busbw_gbps:g} GB/s per GPU: " if d.busbw_gbps else ""
     return _rows([

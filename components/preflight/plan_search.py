@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from components.config import PIPELINE_SCHEDULES, Parallelism
+from components.config import PIPELINE_SCHEDULES, ActivationCheckpointing, Parallelism
 from components.config.rules import train_rules
 from components.parallel import data_parallel
 from components.preflight.plan import Plan, fits
@@ -81,9 +81,10 @@ def _breaks_a_rule(cfg) -> bool:
 
 
 def _batchings(cfg, layout: dict, per_replica: int) -> list[dict]:
-    """A layout with activation checkpointing off and on, each micro batch and FSDP's syncs."""
+    """A layout with activation checkpointing off, selective and full, each micro batch and
+    FSDP's syncs."""
     found = []
-    for ac in (False, True):
+    for ac in ActivationCheckpointing:
         for micro in _micro_batches(per_replica):
             accum = per_replica // micro
             # under pipeline parallelism the schedule syncs once a step, whatever the setting

@@ -152,6 +152,10 @@ def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
     modules = {id(m): m for root in (model, *chunks) for m in root.modules()}.values()
     counts = {name: sum(isinstance(m, cls) for m in modules) for name, cls in kinds.items()}
     counts["pp_stages"] = len(chunks)  # the pipeline stages this rank runs
+    # blocks under the selective per-op policy: their checkpoint runs with a context_fn
+    counts["selective_checkpoint"] = sum(
+        isinstance(m, CheckpointWrapper) and "context_fn" in getattr(m.checkpoint_fn, "keywords", {}) for m in modules
+    )
     counts["params_held"] = len(list(model.parameters()))  # this rank's (rank 0's) parameter tensors
     # parameters FSDP all-gathers in fp8: their local shard is torchao's float8-cast weight
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]

@@ -65,7 +65,7 @@ BOOKKEEPING = {
     "tp": 2,
     "pp": 2,
     "pp_schedule": "gpipe",
-    "activation_checkpointing": True,
+    "activation_checkpointing": "full",
     "ac_every_n_blocks": 2,
     "metrics_port": 9400,
     "profile_poll_steps": 50,

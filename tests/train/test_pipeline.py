@@ -130,7 +130,7 @@ def test_fp8_pp_x_tp_names_a_later_stages_non_finite_module_and_splits_every_flo
         r = trainer.run(
             "train.precision=fp8", "train.steps=4", "train.warmup_steps=1", "model.num_layers=4", "cluster.nodes=2",
             "cluster.procs_per_node=2", "train.pp=2", "train.tp=2", "train.micro_batch_size=4",
-            "train.grad_accum_steps=2", "train.activation_checkpointing=true",
+            "train.grad_accum_steps=2", "train.activation_checkpointing=full",
         )  # fmt: skip
     bad = [e for e in read_records(r.metrics)[1] if e.get("kind") == "nonfinite_step"]
     assert [(e["step"], e["first_nonfinite_module"]) for e in bad] == [(3, "model.layers.3.mlp.down_proj")]

@@ -40,7 +40,7 @@ def node_checkpoints(run, node: int) -> Path:
 
 
 def test_two_node_fp8_trains_float8_linears_and_learns_like_fp32(trainer):
-    common = [*TWO_NODES, "train.steps=80", "train.checkpoint_interval=40", "train.activation_checkpointing=true"]
+    common = [*TWO_NODES, "train.steps=80", "train.checkpoint_interval=40", "train.activation_checkpointing=full"]
     fp8 = trainer.run(*common, "train.precision=fp8")
     fp32 = Trainer(trainer.dataset_store, trainer.tmp / "fp32").run(*common, "train.precision=fp32")
     bf16 = Trainer(trainer.dataset_store, trainer.tmp / "bf16").run(*common, "train.precision=bf16")
@@ -418,6 +418,18 @@ def test_fsdp_trains_the_same_weights_as_ddp(trainer):
     assert max(float((a[k] - init[k]).abs().max()) for k in a) > 1e-3  # it did train
 
 
+def test_selective_checkpointing_wraps_every_block_and_trains_the_losses_of_one_process(trainer, one_process):
+    """`train.activation_checkpointing=selective` on one process: all 4 blocks run under the
+    per-op policy (their checkpoint has its context), and the recomputed ops give the losses and
+    weights of the run that saves everything within 1e-5. What it saves is held to the plan by
+    tests/preflight/test_plan.py (its outputs read from the policy's own cache)."""
+    run = trainer.run(*REFERENCE, "train.micro_batch_size=8", "train.activation_checkpointing=selective")
+    wrapped = run.result.wrapped_modules
+    assert wrapped["activation_checkpoint"] == wrapped["selective_checkpoint"] == LAYOUT_BLOCKS
+    assert one_process.result.wrapped_modules["activation_checkpoint"] == 0
+    assert_trains_like(one_process, (run,), tol=1e-5)
+
+
 def test_hsdp_2x2_on_two_nodes_trains_the_losses_and_weights_of_one_process(trainer, one_process):
     """HSDP: 2 nodes x 2 processes, parameters sharded within a node and replicated across the
     two; same global batch (4 ranks x 2 sequences) as one process with 8. fp32, 10 steps: the
@@ -448,7 +460,7 @@ def test_fsdp_bf16_async_checkpoints_on_two_nodes(trainer):
         "train.parallelism=fsdp",
         "train.precision=bf16",
         "train.checkpoint_async=true",
-        "train.activation_checkpointing=true",
+        "train.activation_checkpointing=full",
         "train.steps=30",
         "train.checkpoint_interval=10",
     )
