@@ -102,7 +102,7 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
             train.activation_checkpointing and i % train.ac_every_n_blocks == 0
         ):
             block.register_forward_pre_hook(held_for_recompute, with_kwargs=True)
-        if train.activation_checkpointing == AC.selective:
+        if "context_fn" in getattr(getattr(block, "checkpoint_fn", None), "keywords", {}):  # the per-op policy
             fn = block.checkpoint_fn
             block.checkpoint_fn = functools.partial(
                 fn.func, *fn.args, **{**fn.keywords, "context_fn": selective_saves(fn.keywords["context_fn"])}

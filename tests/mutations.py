@@ -317,7 +317,7 @@ MUTATIONS = [
     Mutation(
         "selective checkpointing: every matmul's output kept, not every other",
         "components/parallel/checkpointing.py",
-        "        every_other = func == _aten.mm.default and counts[mode] % 2 == 0\n",
+        "        every_other = func == _aten.mm.default and matmuls % 2 == 0\n",
         "        every_other = False\n",
         ("tests/preflight/test_plan.py::test_planned_activations_match_what_autograd_saves",),
     ),

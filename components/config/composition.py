@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import functools
 import typing
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -99,5 +100,12 @@ def _conf_defaults() -> Config:
 
 def defaults(group: str, **values: Any) -> Any:
     """One group as `conf/` sets it by default (no experiment preset), with `values` replaced:
-    for code and tests that need a typed group outside a composed run."""
-    return dataclasses.replace(getattr(_conf_defaults(), group), **values)
+    for code and tests that need a typed group outside a composed run. A value for an enum key
+    becomes that enum (`activation_checkpointing="off"` is `ActivationCheckpointing.off`, false
+    like the config's), or fails as composing would."""
+    base = getattr(_conf_defaults(), group)
+    for key, value in values.items():
+        kind = type(getattr(base, key, None))
+        if issubclass(kind, Enum) and not isinstance(value, kind):
+            values[key] = kind(value)
+    return dataclasses.replace(base, **values)

@@ -53,16 +53,21 @@ FAMILIES: dict[str, ModelSpec] = {"llama": Llama()}
 
 
 def spec_for(cfg: ModelConfig) -> ModelSpec:
-    """The family a `model` config builds."""
-    return FAMILIES[getattr(cfg, "family", None) or "llama"]
+    """The family a `model` config builds: Llama, the only one so far (the second family adds
+    its `model.family` key to the schema, default llama, and is looked up here by it)."""
+    return FAMILIES["llama"]
 
 
 def spec_of(model: nn.Module) -> ModelSpec:
     """The family of a built model (a pipeline stage of one, or one DDP wraps), by its config's
     model_type."""
     config = getattr(getattr(model, "module", model), "config", None)  # DDP keeps it in .module
-    kind = getattr(config, "model_type", "llama")
-    return next(spec for spec in FAMILIES.values() if spec.model_type == kind)
+    kind = getattr(config, "model_type", None)
+    for spec in FAMILIES.values():
+        if spec.model_type == kind:
+            return spec
+    known = ", ".join(spec.model_type for spec in FAMILIES.values())
+    raise ValueError(f"{type(model).__name__}: model_type {kind!r} is no family's here ({known})")
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:

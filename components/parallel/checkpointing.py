@@ -12,7 +12,6 @@ matmul outputs are.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -34,12 +33,15 @@ SAVED_OPS = {
 }
 
 
-def _policy(counts: dict[str, int]) -> Callable:
+def _policy() -> Callable:
+    """The rule for one block's forward (its recompute replays the forward's choices)."""
+    matmuls = 0
+
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        mode = "recompute" if ctx.is_recompute else "forward"
+        nonlocal matmuls
         if func == _aten.mm.default:
-            counts[mode] += 1
-        every_other = func == _aten.mm.default and counts[mode] % 2 == 0
+            matmuls += 1
+        every_other = func == _aten.mm.default and matmuls % 2 == 0
         return (
             CheckpointPolicy.MUST_SAVE if func in SAVED_OPS and not every_other else CheckpointPolicy.PREFER_RECOMPUTE
         )
@@ -50,7 +52,7 @@ def _policy(counts: dict[str, int]) -> Callable:
 def selective_context():
     """The contexts one checkpointed forward (and its recompute) runs under: a fresh matmul
     count each time, so every block saves the same matmuls."""
-    return create_selective_checkpoint_contexts(_policy(defaultdict(int)))
+    return create_selective_checkpoint_contexts(_policy())
 
 
 def apply_activation_checkpointing(
@@ -59,6 +61,8 @@ def apply_activation_checkpointing(
     """`full`: recompute every n-th block whole in backward (counted in the whole model: a
     pipeline stage's blocks keep their indices); `selective`: every block under the per-op
     policy (`context_fn`). Returns how many blocks were wrapped."""
+    if mode == "off":
+        return 0
     blocks = transformer_blocks(model)
     wrapped = 0
     for key, block in list(blocks.named_children()):

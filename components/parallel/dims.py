@@ -5,7 +5,8 @@ stage's ranks are consecutive, a node's GPUs); in each, dp_replicate x dp_shard 
 ranks; in each of those, tp consecutive ranks splitting each block's matmuls. dp_shard > 1 is
 FSDP2 (HSDP with dp_replicate > 1 too); dp_shard == 1 with dp_replicate > 1 is DDP. Rank r is
 pipeline rank r // (dp x tp), data-parallel rank (r // tp) % dp, tp rank r % tp, where
-dp = dp_replicate x dp_shard.
+dp = dp_replicate x dp_shard (the mesh's dimensions give the pipeline and tp coordinates; the
+sampler asks `dp_rank`).
 
 This module is the only place that divides the world by a degree (tests/test_layout.py holds
 the rest of the project to it): the trainer, the sampler, precision recipes, the config rules
@@ -56,12 +57,6 @@ class ParallelDims:
 
     def dp_rank(self, rank: int) -> int:
         return (rank // self.tp) % self.dp
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
-
-    def pp_rank(self, rank: int) -> int:
-        return rank // (self.dp * self.tp)
 
     def loss_holders(self) -> int:
         """Ranks that hold the step's loss: every rank of the last pipeline stage."""

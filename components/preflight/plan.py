@@ -68,8 +68,9 @@ h = hidden, L = layers, a = heads):
   per checkpointed block's recompute), the head's logits all-gather and its input-gradient
   all-reduce, over the tp group's bus bandwidth (NVLink: the group is T consecutive ranks of
   one node).
-- Pipeline parallelism (`train.pp` = P, v stages per rank: 1, interleaved 2; m =
-  `grad_accum_steps` micro-batches; the data-parallel world is W/(T·P)): the blocks cut as
+- Pipeline parallelism (`train.pp` = P, v stages per rank: 1, interleaved 2; m pipeline
+  micro-batches: `grad_accum_steps`, or P parts of the step's batch when fewer; the
+  data-parallel world is W/(T·P)): the blocks cut as
   the trainer cuts them (`model_math.stage_layers`), pipeline rank r holding stages r + k·P,
   the embeddings on rank 0, the final norm and head on rank P-1; the plan is the larger of the
   two end ranks. Activations: each of rank r's stages keeps the micro-batches it has run

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from components.config import ActivationCheckpointing, Parallelism
+from components.config.rules import train_rules
 from components.parallel import ParallelDims
 from components.preflight.plan import Plan, fits, host_memory_gb, plan
 from components.summaries import gib
@@ -131,7 +132,12 @@ def with_changes(cfg, changes: dict):
 
 
 def _fits_with(cfg, changes: dict) -> bool:
-    p, d = plan_for(with_changes(cfg, changes))
+    """Whether the config with `changes` composes (a halved micro batch may not fill the
+    pipeline's stages) and fits."""
+    changed = with_changes(cfg, changes)
+    if train_rules(changed.train, changed.cluster, changed.model):
+        return False
+    p, d = plan_for(changed)
     return fits(p, d.memory_gb, cfg.preflight.memory_safety)
 
 

@@ -5,13 +5,14 @@ A layout here: tensor parallel degree (`train.tp`: 1 or a power of two dividing 
 processes and the model's heads, kv heads and FFN width, so a tp group is on NVLink), DDP
 (with tp only when tp is the world), FSDP or HSDP over the data-parallel ranks
 (`train.dp_replicate` dividing the nodes, so a shard group is whole nodes), FSDP's
-reduce-scatter after every micro-batch or the last only, activation checkpointing off or
-on, and the micro batch (a power of two dividing the sequences per data-parallel rank per
+reduce-scatter after every micro-batch or the last only, activation checkpointing off,
+selective or full, and the micro batch (a power of two dividing the sequences per data-parallel rank per
 step; accumulation makes up the rest, so the global batch, and with it the optimisation,
 never changes). Pipeline parallel (`train.pp`: a power of two dividing the nodes, so a stage
 is whole nodes and only stage-to-stage sends cross the network, and the configured pp; each
-of torch's schedules; FSDP or HSDP within a stage, DDP only when the stages are the world) is
-among them, without TP (not built together). The nodes and processes stay as configured. Every layout listed
+of torch's schedules; each tp degree above within a stage; FSDP or HSDP within a stage, DDP only
+when the stages are the world) is among them. The nodes and processes stay as configured. Every
+layout listed
 passes the compose-time rules (`components/config/rules.py`): it is a config that trains.
 """
 
@@ -48,22 +49,24 @@ def layouts(cfg) -> list[dict]:
     batch = global_batch(cfg)
     splits = (m.num_heads, m.num_kv_heads, m.ffn_hidden_size, c.procs_per_node)
     found = []
-    for tp in (2**i for i in range(c.procs_per_node.bit_length())):
+    tps = [tp for tp in (2**i for i in range(c.procs_per_node.bit_length())) if not any(n % tp for n in splits)]
+    for tp in tps:
         dp = data_parallel(world, tp=tp)
-        if any(n % tp for n in splits) or (batch * tp) % world:
+        if (batch * tp) % world:
             continue
         for parallelism, replicas in _data_parallel(dp, c.nodes, tp == 1):
             layout = {TP: tp, PP: 1, PARALLELISM: parallelism, REPLICATE: replicas}
             found += _batchings(cfg, layout, batch // dp)
     spanning_nodes = {p for p in (2**i for i in range(1, c.nodes.bit_length())) if c.nodes % p == 0}
     for pp in sorted(spanning_nodes | ({cfg.train.pp} if cfg.train.pp > 1 else set())):  # and as configured
-        dp = data_parallel(world, pp=pp)
-        if world % pp or batch % dp:
-            continue
-        for schedule in PIPELINE_SCHEDULES:
-            for parallelism, replicas in _data_parallel(dp, max(1, c.nodes // pp), False):
-                layout = {TP: 1, PP: pp, SCHEDULE: schedule, PARALLELISM: parallelism, REPLICATE: replicas}
-                found += _batchings(cfg, layout, batch // dp)
+        for tp in tps:  # TP within each stage too
+            dp = data_parallel(world, tp=tp, pp=pp)
+            if world % (pp * tp) or batch % dp:
+                continue
+            for schedule in PIPELINE_SCHEDULES:
+                for parallelism, replicas in _data_parallel(dp, max(1, c.nodes // pp), False):
+                    layout = {TP: tp, PP: pp, SCHEDULE: schedule, PARALLELISM: parallelism, REPLICATE: replicas}
+                    found += _batchings(cfg, layout, batch // dp)
     return [changes for changes in found if not _breaks_a_rule(with_changes(cfg, changes))]
 
 

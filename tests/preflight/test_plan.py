@@ -355,7 +355,7 @@ def test_hsdp_shards_within_a_node_and_all_reduces_across_nodes(capsys):
 TP_RANK = """
 import json, sys
 from benchmarks.planner_accuracy import fake_tp_world, measured_bytes, planned_bytes, tp_model
-from components.config import defaults
+from components.config import ActivationCheckpointing, defaults
 from components.preflight.plan import plan
 fake_tp_world(2)
 model = defaults("model", vocab_size=2048, hidden_size=128, num_layers=3, num_heads=8, num_kv_heads=2,
@@ -367,6 +367,10 @@ for precision in ("fp32", "bf16", "fp8"):
     held = sum(p.to_local().numel() * 4 for p in live.parameters())
     out[precision] = [measured_bytes(model, train, 48), planned_bytes(model, train, 48),
                       held, plan(model, train, world=2, seq_len=48).weights_gb * 1e9]
+    selective = defaults("train", precision=precision, micro_batch_size=4, tp=2,
+                         activation_checkpointing=ActivationCheckpointing.selective)
+    out[precision + "_selective"] = [measured_bytes(model, selective, 48), planned_bytes(model, selective, 48),
+                                     held, plan(model, selective, world=2, seq_len=48).weights_gb * 1e9]
 print(json.dumps(out))
 """
 
@@ -377,7 +381,8 @@ def test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live
     coefficients came from: the planned fp32 weights are the bytes of its parameter shards
     exactly (Linears and the head halved, embeddings and norms whole), and the planned
     activations (the norms' whole, attention's and the MLP's halved; fp8's inputs saved at 1 B
-    under torchao's float8 TP styles) are within 2% of what autograd saves."""
+    under torchao's float8 TP styles) are within 2% of what autograd saves, with activation
+    checkpointing off and selective (down's partial sum whole, q, v, gate halved)."""
     run = subprocess.run([sys.executable, "-c", TP_RANK], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
