@@ -322,6 +322,36 @@ MUTATIONS = [
         ("tests/preflight/test_plan.py::test_planned_activations_match_what_autograd_saves",),
     ),
     Mutation(
+        "pp x tp: a stage's embeddings, norm and head left off the tp mesh",
+        "components/parallel/tensor.py",
+        "if _holds(model, name)}\n",
+        "if _holds(model, name) and not hasattr(model, 'parts')}\n",
+        ("tests/train/test_pipeline.py::test_pp_x_tp_trains_the_losses_and_weights_of_one_process",),
+    ),
+    Mutation(
+        "nonfinite: the embeddings ordered after the blocks in the forward",
+        "components/models/llama.py",
+        '        return (0, 0) if parts[:2] == ["model", "embed_tokens"]',
+        '        return (3, 0) if parts[:2] == ["model", "embed_tokens"]',
+        ("tests/train/test_units.py::test_the_llama_forward_order_names_the_earliest_culprit_of_every_ranks",),
+    ),
+    Mutation(
+        "planner: selective checkpointing plans no recompute",
+        "components/preflight/plan.py",
+        "        return 2 * L * (h * kv + h * h + h * model.ffn_hidden_size)\n",
+        "        return 0.0\n",
+        ("tests/train/test_units.py::test_planned_selective_recompute_flops_are_what_backward_does_again",),
+    ),
+    Mutation(
+        "planner: selective's down partial sum planned split over tp, not whole",
+        "components/preflight/plan.py",
+        "        kept_bytes = tokens * (4 * h + c * h + saved / tp)",
+        "        kept_bytes = tokens * (4 * h + (c * h + saved) / tp)",
+        (
+            "tests/preflight/test_plan.py::test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds",
+        ),
+    ),
+    Mutation(
         "pp: the gradient norm clipped per stage, not over every stage",
         "components/train/optim.py",
         "        dist.all_reduce(squares, group=pp_group)\n",

@@ -166,6 +166,7 @@ def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
     counts["hsdp_params"] = sum(_placed(p, "dp_replicate", "is_replicate") and _placed(p, "dp_shard", "is_shard")
                                 for p in model.parameters())  # fmt: skip
     counts["tp_params"] = sum(_placed(p, "tp", "is_shard") for p in model.parameters())  # split by TP
+    counts["tp_replicated_params"] = sum(_placed(p, "tp", "is_replicate") for p in model.parameters())  # whole
     from torchao.float8.float8_linear import Float8Linear
 
     # Float8Linear modules whose weight is a DTensor split over tp (torchao's float8 TP styles)

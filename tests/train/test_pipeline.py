@@ -62,6 +62,7 @@ def test_pp_x_tp_trains_the_losses_and_weights_of_one_process(trainer, one_proce
     held = pp_tp.result.wrapped_modules
     assert held["pp_stages"] == 1 and held["params_held"] == 1 + 2 * BLOCK_PARAMS
     assert held["tp_params"] == 7 * 2 and held["fsdp"] == 0 and held["ddp"] == 0
+    assert held["tp_replicated_params"] == 1 + 2 * 2  # the stage's embeddings and its blocks' norms, on the tp mesh
     assert_trains_like(one_process, (pp_tp,))
 
 

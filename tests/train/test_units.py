@@ -107,6 +107,51 @@ def test_flops_per_token_matches_torch_flop_counter():
     assert mfu(1e12 / planned, planned, 1.0, 1) == pytest.approx(1.0) and mfu(1.0, planned, None, 2) is None
 
 
+def test_planned_selective_recompute_flops_are_what_backward_does_again():
+    """The FLOPs selective checkpointing adds, counted by torch's FlopCounterMode over a real
+    forward and backward against the same without checkpointing: only the matmuls the rule does
+    not keep (k, o and up), exactly (the CPU's flash attention, which the rule keeps, is invisible
+    to the counter either way)."""
+    ac = "selective"
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from components.models import build_model
+    from components.parallel.checkpointing import apply_activation_checkpointing
+    from components.preflight.plan import plan
+
+    cfg = defaults(
+        "model", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=192
+    )
+    ids = torch.randint(0, 512, (2, 129))
+    backend = SDPBackend.FLASH_ATTENTION
+
+    def counted(mode: str) -> float:
+        model = build_model(cfg, 512, seed=0)
+        apply_activation_checkpointing(model, mode, 1)
+        with sdpa_kernel(backend), FlopCounterMode(display=False) as counter:
+            logits = model(input_ids=ids[:, :-1]).logits
+            F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        return counter.get_total_flops() / ids[:, :-1].numel()
+
+    again = counted(ac) - counted("off")
+    planned = plan(cfg, defaults("train", activation_checkpointing=ac), 1, 128).recompute_flops_per_token
+    assert again > 0 and again == pytest.approx(planned, rel=0.01)
+
+
+def test_the_llama_forward_order_names_the_earliest_culprit_of_every_ranks():
+    """A non-finite step's culprit is the earliest in the forward of every rank's own finding
+    (embeddings, blocks by their index in the whole model, the final norm, the head); on a tie
+    the lowest rank's."""
+    from components.models import FAMILIES
+
+    spec = FAMILIES["llama"]
+    names = ["lm_head", "model.norm", "model.layers.10.mlp.down_proj", "model.layers.2.self_attn.q_proj",
+             "model.embed_tokens"]  # fmt: skip
+    assert sorted(names, key=spec.forward_position) == names[::-1]
+
+
 def test_leave_one_out_z_flags_one_slow_rank_of_two():
     z = leave_one_out_z([0.10, 0.50])
     assert z[1] > 5 and z[0] < 0
