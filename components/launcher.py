@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 # (declared in their environment, on Kubernetes as locally): DDP's deprecation of the
 # `broadcast_buffers` argument, whose replacement changes what it means (components/parallel/apply.py).
 QUIET_WARNINGS = "ignore:`broadcast_buffers` is deprecated:FutureWarning"
+# one submission at a time from this process: launches from two threads (two runs, a sweep) both
+# reach torchx's `inspect.getsource` -> `ast.parse`, which failed once with "AST constructor
+# recursion depth mismatch" when two ran at once
+_SUBMITTING = threading.Lock()
 
 
 class LaunchError(RuntimeError):
@@ -251,7 +255,8 @@ def run_once(launch: Launch, env: dict[str, str], tail_lines: int = 40) -> None:
             k8s.delete_earlier_attempts(namespace, launch.name, launch.launch_id, attempt_of(env))
             handle = runner.schedule(kubernetes_job(launch, env, runner, namespace, app))
         else:
-            handle = runner.run(app, scheduler=cluster.scheduler.value, cfg=scheduler_cfg(cluster, launch.log_dir))
+            with _SUBMITTING:  # torchx parses its options' source on every run; CPython 3.11's ast is not thread-safe
+                handle = runner.run(app, scheduler=cluster.scheduler.value, cfg=scheduler_cfg(cluster, launch.log_dir))
         log.info("launched %s on %s: %s", launch.name, cluster.scheduler.value, handle)
         with _cancelled_unless_finished(runner, handle, launch.name):
             status, tails, failures = _follow(runner, handle, launch, app.roles[0].name)

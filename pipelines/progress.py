@@ -33,7 +33,8 @@ def shown(event: Event) -> str | None:
     f = event.fields
     if event.kind == "training":
         how = f["precision_said"]  # the precision recipe's own words for what it made of the model
-        blocks = f"{f['activation_checkpointed']}/{f['blocks']} blocks checkpointed, {f['compiled']} compiled"
+        blocks = f"{f['activation_checkpointed']}/{f['blocks']} blocks checkpointed ({f['checkpointing']}), "
+        blocks += f"{f['compiled']} compiled"
         where = f"{f['nodes']} node(s) x {f['procs_per_node']} process(es) on {f['device']}"
         return f"{where}: {how}; {blocks}; {f['wrapper']}"
     if event.kind == "step":

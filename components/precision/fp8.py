@@ -34,6 +34,12 @@ def module_filter(head: str):
     return keep
 
 
+def head_of(model: torch.nn.Module) -> str | None:
+    """The output head's name (never fp8) of a model of a family (components/models/); a plain
+    module (a test's, a benchmark's) has none."""
+    return spec_of(model).head if getattr(model, "config", None) is not None else None
+
+
 def float8_modules(model: torch.nn.Module) -> list[str]:
     """Qualified names of the Float8Linear modules in the live model, as it trains (wrappers
     included in the names)."""
@@ -125,7 +131,7 @@ class FP8(BF16):
 
         self.check_device(device)
         convert_to_float8_training(
-            model, config=self.float8_config(train, device), module_filter_fn=module_filter(spec_of(model).head)
+            model, config=self.float8_config(train, device), module_filter_fn=module_filter(head_of(model))
         )
         converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
         if not converted:

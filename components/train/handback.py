@@ -118,6 +118,7 @@ def training_facts(job: Job) -> dict:
         "float8_linear": len(job.float8_modules),
         "blocks": job.model_cfg.num_layers,
         "activation_checkpointed": wrapped["activation_checkpoint"],
+        "checkpointing": job.train.activation_checkpointing.value,  # off | selective | full
         "compiled": wrapped["compiled"],
         "wrapper": ("FSDP2" if wrapped["fsdp"] else ("DDP" if job.dims.dp > 1 else "one process"))
         + (f" x TP={job.dims.tp}" if job.dims.tp > 1 else "")
@@ -133,7 +134,8 @@ def describe(f: dict) -> str:
     """The `training on` log line, from `training_facts`."""
     parts = [f"training on {f['nodes']} node(s) x {f['procs_per_node']} process(es), {f['device']}"]
     parts.append(f["precision_said"])
-    parts.append(f"activation checkpointing on {f['activation_checkpointed']}/{f['blocks']} blocks")
+    checkpointed = f"{f['activation_checkpointed']}/{f['blocks']} blocks"
+    parts.append(f"{f['checkpointing']} activation checkpointing on {checkpointed}")
     parts.append(f"compiled {f['compiled']}/{f['blocks']} blocks")
     parts.append(f["wrapper"])
     return ", ".join(parts)

@@ -418,28 +418,23 @@ def test_fsdp_trains_the_same_weights_as_ddp(trainer):
     assert max(float((a[k] - init[k]).abs().max()) for k in a) > 1e-3  # it did train
 
 
-def test_selective_checkpointing_wraps_every_block_and_trains_the_losses_of_one_process(trainer, one_process):
-    """`train.activation_checkpointing=selective` on one process: all 4 blocks run under the
-    per-op policy (their checkpoint has its context), and the recomputed ops give the losses and
-    weights of the run that saves everything within 1e-5. What it saves is held to the plan by
-    tests/preflight/test_plan.py (its outputs read from the policy's own cache)."""
-    run = trainer.run(*REFERENCE, "train.micro_batch_size=8", "train.activation_checkpointing=selective")
-    wrapped = run.result.wrapped_modules
-    assert wrapped["activation_checkpoint"] == wrapped["selective_checkpoint"] == LAYOUT_BLOCKS
-    assert one_process.result.wrapped_modules["activation_checkpoint"] == 0
-    assert_trains_like(one_process, (run,), tol=1e-5)
-
-
 def test_hsdp_2x2_on_two_nodes_trains_the_losses_and_weights_of_one_process(trainer, one_process):
     """HSDP: 2 nodes x 2 processes, parameters sharded within a node and replicated across the
     two; same global batch (4 ranks x 2 sequences) as one process with 8. fp32, 10 steps: the
     losses within 1e-4 relative, the weights within 1e-4; the live model's parameters are
-    DTensors replicated over one mesh dimension and sharded over the other."""
+    DTensors replicated over one mesh dimension and sharded over the other. The run also
+    checkpoints selectively (one launch for both): all 4 blocks run under the per-op policy
+    (their checkpoint has its context), and the ops recomputed in backward change nothing
+    against the one process that saves everything; what the policy saves is held to the plan by
+    tests/preflight/test_plan.py (its outputs read from the policy's own cache)."""
     one = one_process
     hsdp = trainer.run(
         *REFERENCE, "cluster.nodes=2", "cluster.procs_per_node=2", "train.parallelism=fsdp", "train.dp_replicate=2",
-        "train.micro_batch_size=2",
+        "train.micro_batch_size=2", "train.activation_checkpointing=selective",
     )  # fmt: skip
+    wrapped = hsdp.result.wrapped_modules
+    assert wrapped["activation_checkpoint"] == wrapped["selective_checkpoint"] == LAYOUT_BLOCKS
+    assert one.result.wrapped_modules["activation_checkpoint"] == 0
     from components.models import build_model
 
     params = len(list(build_model(defaults("model", num_layers=LAYOUT_BLOCKS), 1024, seed=0).parameters()))
