@@ -9,7 +9,6 @@ import contextlib
 
 import torch
 
-from components.config import ActivationCheckpointing
 from components.models import transformer_blocks
 from components.parallel import ParallelDims
 from components.precision import Recipe
@@ -36,10 +35,7 @@ def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch
         from components.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"])
-    if train.activation_checkpointing:
-        apply_activation_checkpointing(
-            model, ActivationCheckpointing(train.activation_checkpointing), train.ac_every_n_blocks
-        )
+    apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every_n_blocks)
     if train.compile if train.compile is not None else device.type == "cuda":
         apply_compile(model)
     return wrap(model, dims, device, precision, mesh)
@@ -60,9 +56,7 @@ def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: tor
             from components.parallel.tensor import apply_tp
 
             apply_tp(chunk, mesh["tp"])
-        if train.activation_checkpointing:
-            mode = ActivationCheckpointing(train.activation_checkpointing)
-            apply_activation_checkpointing(chunk, mode, train.ac_every_n_blocks)
+        apply_activation_checkpointing(chunk, train.activation_checkpointing, train.ac_every_n_blocks)
         if train.compile if train.compile is not None else device.type == "cuda":
             apply_compile(chunk)
         wrapped.append(wrap(chunk, dims, device, precision, mesh))

@@ -255,11 +255,7 @@ def recomputed_flops(model: ModelConfig, train: TrainConfig, n_blocks: int, seq_
     if train.activation_checkpointing == ActivationCheckpointing.selective:
         kv = h // a * model.num_kv_heads
         return 2 * L * (h * kv + h * h + h * model.ffn_hidden_size)
-    return checkpointed_blocks(model, train) / L * (2 * n_blocks + 4 * L * h * seq_len)
-
-
-def checkpointed_blocks(model: ModelConfig, train: TrainConfig) -> int:
-    return checkpointed(model.num_layers, train)
+    return checkpointed(model.num_layers, train) / L * (2 * n_blocks + 4 * L * h * seq_len)
 
 
 def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: TrainConfig) -> float:
@@ -300,7 +296,7 @@ def tp_comm_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, precisio
         return 0.0
     c = 4 if precision.compute_dtype == "float32" else 2
     t, h, v = seq_len * train.micro_batch_size, model.hidden_size, model.vocab_size or 0
-    all_reduces = 7 * model.num_layers + 2 * checkpointed_blocks(model, train)
+    all_reduces = 7 * model.num_layers + 2 * checkpointed(model.num_layers, train)
     head = 0 if model.tie_embeddings else 2 * t * h * c + t * v * c
     return train.grad_accum_steps * (all_reduces * 2 * t * h * c + head)
 
