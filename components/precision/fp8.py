@@ -167,9 +167,26 @@ class FP8(BF16):
         return super().copy_bytes(linear, fp8_eligible, fsdp, train)
 
     def gemm(self, size: int, device: torch.device):
+        """A GPU's fp8 GEMM (`torch._scaled_mm`); elsewhere what training runs in its place: the
+        emulated Float8Linear's forward (both operands quantized to e4m3 with their dynamic
+        tensorwise scales, then multiplied in fp32), 2-3x slower on a CPU than torch's reference
+        fp8 kernel, which training there never calls."""
         import torch
 
         torch.manual_seed(0)
+        if device.type != "cuda":
+            from torchao.float8 import Float8LinearConfig
+            from torchao.float8.float8_linear import Float8Linear
+
+            config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+            linear = Float8Linear.from_float(torch.nn.Linear(size, size, bias=False, device=device), config=config)
+            x = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+
+            def emulated():
+                with torch.no_grad():
+                    return linear(x)
+
+            return emulated
         a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
         b = torch.randn(size, size, device=device).t().contiguous().t().to(torch.float8_e4m3fn)
         one = torch.tensor(1.0, device=device)

@@ -363,3 +363,39 @@ def test_only_young_whole_measurements_are_reused(tmp_path):
     assert reusable_measurements(store, "local_cwd-2n-abc", 1e-9, processes=2) is None  # older than allowed
     assert reusable_measurements(store, "local_cwd-2n-abc", 60.0, processes=3) is None  # not one per process
     assert reusable_measurements(store, "local_cwd-2n-other", 60.0, processes=2) is None  # another fleet
+
+
+def test_on_a_cpu_the_fp8_gemm_preflight_times_is_the_one_training_runs():
+    """Issue 40, point 5: emulated fp8 is measured as what it is. The GEMM preflight times for fp8
+    on a CPU dispatches the ops a training Float8Linear's forward does (built from the trainer's
+    own config: quantize both operands, multiply in fp32), never the reference `_scaled_mm`
+    that training there never calls (2-3x faster: it planned the tiny step at half its time)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from components.precision import recipe
+    from components.precision.fp8 import module_filter
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    cpu, fp8 = torch.device("cpu"), recipe("fp8")
+    train = defaults("train", precision="fp8")
+    timed = fp8.gemm(32, cpu)
+    with Ops() as gemm:
+        timed()
+    from torchao.float8 import convert_to_float8_training
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False))
+    convert_to_float8_training(model, config=fp8.float8_config(train, cpu), module_filter_fn=module_filter(None))
+    x = torch.randn(32, 32, dtype=torch.bfloat16)
+    with Ops() as trained, torch.no_grad():
+        model(x)
+    assert "aten._scaled_mm" not in gemm.seen and "aten._scaled_mm" not in trained.seen, (gemm.seen, trained.seen)
+    assert gemm.seen == trained.seen and "aten.mm" in gemm.seen, (gemm.seen ^ trained.seen)
