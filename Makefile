@@ -35,7 +35,7 @@ run: install            ## the tiny CPU experiment, all five stages through kfp.
 	$(BIN)/liftoff run $(ARGS)
 
 test: install browser   ## the test suite (fast chaos tests included)
-	$(BIN)/python -m pytest -q -m "not chaos_slow" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not chaos_slow" --durations=25 $(ARGS)
 
 chaos: install browser  ## every chaos test, then the summary table; then the long tests make test leaves out
 	$(BIN)/python -m pytest -q tests/chaos $(ARGS)
