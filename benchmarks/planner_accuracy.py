@@ -67,7 +67,8 @@ def tp_model(model_cfg: ModelConfig, train: TrainConfig):
 def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> int:
     """Bytes saved for backward by one forward + loss of a freshly built model (with
     `train.tp` > 1: by one tp rank)."""
-    from components.models import transformer_blocks
+    from components.models import token_loss, transformer_blocks
+    from components.parallel.tensor import loss_scope
     from components.precision import recipe
 
     model = tp_model(model_cfg, train)
@@ -108,10 +109,10 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
                 fn.func, *fn.args, **{**fn.keywords, "context_fn": selective_saves(fn.keywords["context_fn"])}
             )
     ids = torch.randint(0, model_cfg.vocab_size, (train.micro_batch_size, seq_len + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_scope(model):
         with precision.autocast(torch.device("cpu"), fsdp=False):
             logits = model(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss = token_loss(logits, ids[:, 1:])  # under sequence parallel the loss-parallel one
     for storage in kept:  # {op: {call index: its outputs, each wrapped (`.val`), or a recompute mark}}
         for calls in storage.values():
             for outputs in calls.values():
@@ -124,12 +125,14 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
 
 def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> float:
     from components.model_math import param_tensors
+    from components.parallel import sequence_parallel
     from components.precision import recipe
     from components.preflight.plan import activation_bytes, tp_local, weight_copies
 
-    tensors, layers = tp_local(param_tensors(model_cfg), train.tp), model_cfg.num_layers
+    sp = sequence_parallel(train, model_cfg.tie_embeddings, cuda=False)  # as `tp_model` builds it here
+    tensors, layers = tp_local(param_tensors(model_cfg), train.tp, sp), model_cfg.num_layers
     copies = weight_copies(tensors, layers, recipe(train.precision), train, sharded=False, recompute=False)
-    return activation_bytes(model_cfg, train, seq_len, recompute=False) + copies
+    return activation_bytes(model_cfg, train, seq_len, recompute=False, sp=sp) + copies
 
 
 def fake_tp_world(size: int = 2) -> None:

@@ -757,6 +757,28 @@ MUTATIONS = [
         "        torch.manual_seed(0)\n        if False:",
         ("tests/preflight/test_preflight.py::test_on_a_cpu_the_fp8_gemm_preflight_times_is_the_one_training_runs",),
     ),
+    Mutation(
+        "sequence parallel: TP never runs it",
+        "components/parallel/apply.py",
+        'sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")',
+        "sp = False",
+        ("tests/train/test_training.py::test_tensor_parallel_trains_the_losses_and_weights_of_one_process",
+         "tests/preflight/test_plan.py::test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds"),
+    ),
+    Mutation(
+        "loss-parallel head: the logits gathered whole",
+        "components/parallel/tensor.py",
+        "ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)",
+        "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=False)",
+        ("tests/preflight/test_plan.py::test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds",),
+    ),
+    Mutation(
+        "planner: sequence parallel never planned",
+        "components/preflight/plan.py",
+        "    sp = sequence_parallel(train, model.tie_embeddings, cuda)\n",
+        "    sp = False\n",
+        ("tests/preflight/test_plan.py::test_torchtitans_published_70b_2d_row_plans_under_100_gb_with_sequence_parallel",),
+    ),
 ]
 
 

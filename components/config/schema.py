@@ -131,6 +131,9 @@ class TrainConfig:
     parallelism: Parallelism = MISSING
     dp_replicate: int = MISSING  # HSDP (fsdp only): replicas of the FSDP shard groups; 1 = plain FSDP
     tp: int = MISSING  # tensor-parallel degree (ranks splitting each block's matmuls); 1 = none
+    # under tp: norms and residual stream sharded along the sequence, the head's logits over the
+    # vocabulary through a loss-parallel cross-entropy (components/parallel/dims.py: where it applies)
+    sequence_parallel: bool = MISSING
     pp: int = MISSING  # pipeline-parallel degree (ranks each holding a run of the blocks); 1 = none
     pp_schedule: str = MISSING  # how micro-batches flow through the stages: PIPELINE_SCHEDULES
     micro_batch_size: int = MISSING

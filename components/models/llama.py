@@ -72,14 +72,16 @@ class Llama:
         return model.model.embed_tokens
 
     def tp_plan(self, tied: bool) -> tuple[dict[str, str], dict[str, str]]:
-        """(each block's submodules, the model's ends) -> "colwise" | "rowwise" | "replicate" |
-        "head" (split by vocabulary, logits gathered) for components/parallel/tensor.py; a tied
-        head is computed whole (it is the embedding)."""
+        """(each block's submodules, the model's ends) -> a role for components/parallel/tensor.py:
+        "colwise" | "rowwise" (the matmuls), "norm", "gathered" (a region's input: the MLP's
+        positional, "gathered:hidden_states" the attention's keyword), "embedding", "head"
+        (split by vocabulary); a tied head is computed whole ("replicate"), as its embedding is."""
         block = {**dict.fromkeys(_COLWISE, "colwise"), **dict.fromkeys(_ROWWISE, "rowwise")}
-        block.update(dict.fromkeys(_BLOCK_NORMS, "replicate"))
+        block.update(dict.fromkeys(_BLOCK_NORMS, "norm"))
+        block.update({"self_attn": "gathered:hidden_states", "mlp": "gathered"})
         ends = {
-            "model.embed_tokens": "replicate",
-            "model.norm": "replicate",
+            "model.embed_tokens": "replicate" if tied else "embedding",
+            "model.norm": "norm",
             self.head: "replicate" if tied else "head",
         }
         return block, ends

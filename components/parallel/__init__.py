@@ -1,6 +1,6 @@
 """The parallel layout on the shared floor: `ParallelDims` (the degrees, the mesh, every size
-and rank) and the pipeline's micro-batches."""
+and rank), the pipeline's micro-batches and where sequence parallel applies."""
 
-from components.parallel.dims import ParallelDims, data_parallel, pipeline_microbatches
+from components.parallel.dims import ParallelDims, data_parallel, pipeline_microbatches, sequence_parallel
 
-__all__ = ["ParallelDims", "data_parallel", "pipeline_microbatches"]
+__all__ = ["ParallelDims", "data_parallel", "pipeline_microbatches", "sequence_parallel"]

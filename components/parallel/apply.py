@@ -10,7 +10,7 @@ import contextlib
 import torch
 
 from components.models import transformer_blocks
-from components.parallel import ParallelDims
+from components.parallel import ParallelDims, sequence_parallel
 from components.precision import Recipe
 
 
@@ -24,7 +24,7 @@ def apply_compile(model: torch.nn.Module) -> None:
 
 def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch.device, precision: Recipe):
     """The one place a layout is applied, in torchtitan's order, to a model whose precision
-    conversion is done: PP split or TP -> activation checkpointing -> compile -> FSDP2 / HSDP
+    conversion is done: PP split or TP (with sequence parallel) -> activation checkpointing -> compile -> FSDP2 / HSDP
     or DDP. Under pipeline parallelism it returns this rank's `PipelineRank`."""
     from components.parallel.checkpointing import apply_activation_checkpointing
 
@@ -34,7 +34,8 @@ def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch
     if dims.tp > 1:
         from components.parallel.tensor import apply_tp
 
-        apply_tp(model, mesh["tp"])
+        sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")
+        apply_tp(model, mesh["tp"], sp)
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every_n_blocks)
     if train.compile if train.compile is not None else device.type == "cuda":
         apply_compile(model)

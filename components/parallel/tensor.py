@@ -3,27 +3,44 @@
 
 In each block the attention's q/k/v and the MLP's gate/up projections are split by output
 features (`ColwiseParallel`: each rank computes its heads, its FFN columns) and o/down by input
-features (`RowwiseParallel`: partial sums, all-reduced): two all-reduces forward per block
-over the `tp` mesh dimension, and backward one per colwise projection (each takes the whole
-input, so each all-reduces its input's gradient). The output head is split by vocabulary and
-its logits gathered, so the loss is the plain cross-entropy on full logits. Embeddings and
-RMSNorms stay whole, their parameters replicated DTensors on the same mesh (`Replicated`),
-so every parameter is a DTensor on one mesh: the optimizer, the gradient norm and DCP treat
-them alike. Under pipeline parallelism each stage is split the same way over its own tp ranks
+features (`RowwiseParallel`: partial sums). Every parameter is a DTensor on the tp mesh (whole
+ones `Replicate`), so the optimizer, the gradient norm and DCP treat them alike. Under pipeline
+parallelism each stage is split the same way over its own tp ranks
 (components/parallel/apply.py): the hidden states between stages are whole, plain tensors.
-Sequence parallelism of the norms and a loss-parallel head are not built: the norms'
-activations are whole on every rank (the planner counts them so).
 
-fp8: Float8Linear modules take torchao's `Float8ColwiseParallel` / `Float8RowwiseParallel`,
-which cast to fp8 before the collectives; the head (never fp8) takes the plain styles.
+Sequence parallel (`train.sequence_parallel`, torchtitan's default; where it applies:
+`components.parallel.sequence_parallel`): between the tp regions the residual stream and the
+norms are split along the sequence (Shard(1)). The embedding (split by vocabulary) and o/down
+reduce-scatter into it, the attention's and MLP's inputs are all-gathered out of it (the same
+bytes as two all-reduces), so the norms' activations and the saved residual inputs are 1/tp
+each. The head takes the sequence-split hidden states and leaves its logits split by
+vocabulary: the cross-entropy runs under `loss_parallel()` (`loss_scope`, forward and
+backward) and never gathers them.
+
+Without it: o/down's partial sums are all-reduced (two all-reduces forward per block, and
+backward one per colwise projection, whose input's gradient is partial), the embedding and the
+norms are computed whole on every rank (`Replicated`), and the head's logits are gathered for
+the plain cross-entropy.
+
+fp8: Float8Linear modules take torchao's `Float8ColwiseParallel` / `Float8RowwiseParallel` (and
+`PrepareFloat8ModuleInput` under sequence parallel), which cast to fp8 before the collectives;
+the ends (never fp8) take the plain styles.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from components.models import spec_of
 
@@ -48,27 +65,50 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=inputs_in, output_fn=output_out)
 
 
-def _styles(names: dict[str, str], module: torch.nn.Module, float8: bool) -> dict[str, ParallelStyle]:
-    """The ParallelStyles for a family's plan (components/models/: "colwise", "rowwise",
-    "replicate", "head"): fp8 Linears take torchao's float8 styles, which cast before the
-    collectives."""
+def _styles(names: dict[str, str], module: torch.nn.Module, float8: bool, sp: bool) -> dict[str, ParallelStyle]:
+    """The ParallelStyles for a family's plan (components/models/; roles "colwise", "rowwise",
+    "norm", "gathered" (a region whose input sequence parallel all-gathers; "gathered:<name>"
+    when passed as that keyword), "embedding", "head", "replicate") as torchtitan's Llama plan
+    has them; `sp`: with sequence parallel and the loss-parallel head."""
     from torchao.float8.float8_linear import Float8Linear
 
     def linear(name: str, kind: str) -> ParallelStyle:
+        seq = {"output_layouts": Shard(1), "use_local_output": False} if sp and kind == "rowwise" else {}
         if float8 and isinstance(module.get_submodule(name), Float8Linear):
             from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-            return Float8ColwiseParallel() if kind == "colwise" else Float8RowwiseParallel()
-        return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+            return Float8ColwiseParallel() if kind == "colwise" else Float8RowwiseParallel(**seq)
+        return ColwiseParallel() if kind == "colwise" else RowwiseParallel(**seq)
+
+    def gathered(name: str, kind: str) -> ParallelStyle:  # a region's input, all-gathered from Shard(1)
+        if ":" in kind:  # the input passed by keyword
+            keyword = kind.split(":", 1)[1]
+            layouts = {"input_kwarg_layouts": {keyword: Shard(1)}, "desired_input_kwarg_layouts": {keyword: Replicate()}}
+        else:
+            layouts = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
+        if float8 and any(isinstance(m, Float8Linear) for m in module.get_submodule(name).modules()):
+            from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+            return PrepareFloat8ModuleInput(**layouts)
+        return PrepareModuleInput(**layouts)
 
     out: dict[str, ParallelStyle] = {}
     for name, kind in names.items():
-        if kind == "replicate":
-            out[name] = Replicated()
+        if kind in ("colwise", "rowwise"):
+            out[name] = linear(name, kind)
+        elif kind.split(":")[0] == "gathered":
+            if sp:
+                out[name] = gathered(name, kind)
+        elif kind == "norm" and sp:
+            out[name] = SequenceParallel()
+        elif kind == "embedding" and sp:  # split by vocabulary, its partial sums reduce-scattered
+            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+        elif kind == "head" and sp:  # the logits split by vocabulary, never gathered
+            out[name] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
         elif kind == "head":  # split by vocabulary, the logits gathered
             out[name] = ColwiseParallel(output_layouts=Replicate())
-        else:
-            out[name] = linear(name, kind)
+        else:  # "replicate", and without sp the norms and the embedding: computed whole
+            out[name] = Replicated()
     return out
 
 
@@ -85,10 +125,11 @@ def check_divisible(model: torch.nn.Module, tp: int) -> None:
             raise ValueError(f"train.tp={tp} must divide {what}={n}")
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sp: bool = False) -> None:
     """Shard the model, or one pipeline stage of it (its blocks, and the ends it holds), in place
     over `tp_mesh` as its family's `tp_plan` says (after the precision conversion, before
-    activation checkpointing, compile and FSDP)."""
+    activation checkpointing, compile and FSDP); `sp`: with sequence parallel and a
+    loss-parallel head (`components.parallel.sequence_parallel` says where)."""
     from torchao.float8.float8_linear import Float8Linear
 
     check_divisible(model, tp_mesh.size())
@@ -97,12 +138,28 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     tied = model.config.tie_word_embeddings
     per_block, ends = spec.tp_plan(tied)
     for block in spec.blocks(model).children():  # a ModuleList, or a stage's ModuleDict
-        parallelize_module(block, tp_mesh, _styles(per_block, block, float8))
+        parallelize_module(block, tp_mesh, _styles(per_block, block, float8, sp))
     held = {name: kind for name, kind in ends.items() if _holds(model, name)}
     if held:
-        parallelize_module(model, tp_mesh, _styles(held, model, False))  # the ends are never fp8
+        parallelize_module(model, tp_mesh, _styles(held, model, False, sp))  # the ends are never fp8
     if tied:  # distribute_module gave each its own Parameter: share the embedding's again
         spec.tie_again(model)
+    model.loss_parallel = sp
+
+
+def loss_scope(model: torch.nn.Module):
+    """Where the loss is computed and backpropagated: inside `loss_parallel()` for a model whose
+    head keeps its logits split over the vocabulary (the cross-entropy reduces its max and sum
+    over the tp ranks, never gathering the logits), else nothing."""
+    import contextlib
+
+    held = getattr(model, "module", model)  # under DDP, the model it wraps
+    return loss_parallel() if getattr(held, "loss_parallel", False) else contextlib.nullcontext()
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A loss-parallel loss is a replicated DTensor: its plain value (the same on every tp rank)."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def _holds(model: torch.nn.Module, name: str) -> bool:

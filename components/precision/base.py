@@ -21,6 +21,11 @@ def fp8_eligible_dims(in_features: int, out_features: int) -> bool:
     return in_features % 16 == 0 and out_features % 16 == 0
 
 
+# what sequence parallel moves from whole to split per hidden unit and token: the residual
+# stream's and the two RMSNorms' saved tensors (benchmarks/planner_accuracy.py's counting)
+SP_SPLIT_BYTES_PER_HIDDEN = 16.0
+
+
 class Recipe:
     name = "fp32"
     compute_dtype = "float32"  # torch dtype name: what activations, norms and attention compute in
@@ -62,11 +67,16 @@ class Recipe:
     def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:
         """Per-step work once the weights changed (fp8: precompute the all-gather scales)."""
 
-    def block_act_bytes(self, tp: int) -> tuple[float, float, float, float]:
+    def block_act_bytes(self, tp: int, sp: bool = False) -> tuple[float, float, float, float]:
         """A block's saved bytes per token: (whole per hidden, split over tp per hidden, per kv
-        width, per FFN width), the last two split over tp too."""
+        width, per FFN width), the last two split over tp too. Sequence parallel (`sp`) splits
+        the residual stream and the norms' tensors along the sequence: 16 B per hidden unit
+        more are split (counted under tp 2 and 4 fake process groups, fp32 and bf16 alike)."""
         split = self.act_split_bytes_per_hidden
-        return self.act_bytes_per_hidden - split, split, self.act_bytes_per_kv, self.act_bytes_per_ffn
+        whole = self.act_bytes_per_hidden - split
+        if sp:
+            whole, split = whole - SP_SPLIT_BYTES_PER_HIDDEN, split + SP_SPLIT_BYTES_PER_HIDDEN
+        return whole, split, self.act_bytes_per_kv, self.act_bytes_per_ffn
 
     def copy_bytes(self, linear: bool, fp8_eligible: bool, fsdp: bool, train: TrainConfig) -> float:
         """Bytes per element of the compute copy of one parameter, beside its fp32 master.

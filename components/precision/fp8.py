@@ -75,13 +75,17 @@ def _cast_input_to_bf16(module: torch.nn.Module, args: tuple):
 class FP8(BF16):
     name = "fp8"
 
-    def block_act_bytes(self, tp: int) -> tuple[float, float, float, float]:
+    def block_act_bytes(self, tp: int, sp: bool = False) -> tuple[float, float, float, float]:
         """Under TP torchao's Float8Colwise/RowwiseParallel cast each Float8Linear's input to
         fp8 before the module, so what the Linears save is fp8 (1 B): the five whole
         hidden-sized inputs, o_proj's and down_proj's split ones; SDPA's output is saved once
-        more at bf16 (counted under a tp=2 fake process group, benchmarks/planner_accuracy.py)."""
+        more at bf16 (counted under a tp=2 fake process group, benchmarks/planner_accuracy.py).
+        Under sequence parallel the residual stream and norms split as in bf16 and the gathered
+        inputs are fp8 (2 B whole; counted under tp 2 and 4 fake process groups)."""
         if tp == 1:
             return super().block_act_bytes(tp)
+        if sp:
+            return 2.0, 21.0, self.act_bytes_per_kv, self.act_bytes_per_ffn - 1.0
         return 21.0, 5.0, self.act_bytes_per_kv, self.act_bytes_per_ffn - 1.0
 
     def check_model(self, model: ModelConfig) -> None:

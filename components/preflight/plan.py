@@ -89,7 +89,7 @@ from dataclasses import asdict, dataclass, replace
 from components.config import ActivationCheckpointing, ModelConfig, Parallelism, TrainConfig
 from components.config.bounds import PIPELINE_SCHEDULES
 from components.model_math import host_memory_bytes, mfu, param_tensors, planned_flops_per_token, stage_layers
-from components.parallel import ParallelDims, pipeline_microbatches
+from components.parallel import ParallelDims, pipeline_microbatches, sequence_parallel
 from components.precision import Recipe, recipe
 
 GB = 1e9
@@ -151,30 +151,44 @@ def weight_copies(
 
 
 def activation_bytes(
-    model: ModelConfig, train: TrainConfig, seq_len: int, recompute: bool = True, head_too: bool = True
+    model: ModelConfig, train: TrainConfig, seq_len: int, recompute: bool = True, head_too: bool = True,
+    sp: bool = False,
 ) -> float:
     """Bytes saved for backward by one micro-batch's forward, per device; with activation
     checkpointing plus (if `recompute`) one block's activations live during its recompute.
     Under tensor parallelism (`train.tp`) what attention and the MLP save splits with the
-    heads and FFN columns; the head's logits are gathered, whole on every rank."""
+    heads and FFN columns; without sequence parallel (`sp`) the residual stream, the norms and
+    the head's logits are whole on every rank, with it they split too (along the sequence, the
+    logits along the vocabulary: the loss-parallel head)."""
     precision = recipe(train.precision)
     h, f, a, L = model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_layers
     kv = h // a * model.num_kv_heads  # the width of k and v
     tokens, tp = seq_len * train.micro_batch_size, train.tp
-    whole_h, split_h, per_kv, per_ffn = precision.block_act_bytes(tp)
-    whole = whole_h * h + 8  # the residual stream and the norms: whole on every tp rank
-    heads = split_h * h + per_kv * kv + per_ffn * f + 4 * a  # attention's and the MLP's: split with them
+    sp = sp and tp > 1
+    whole_h, split_h, per_kv, per_ffn = precision.block_act_bytes(tp, sp)
+    norms = 8  # the two RMSNorms' fp32 reciprocal RMS per token: split along the sequence under sp
+    whole = whole_h * h + (0 if sp else norms)
+    heads = split_h * h + per_kv * kv + per_ffn * f + 4 * a + (norms if sp else 0)
     block = tokens * (whole + heads / tp)
-    head = tokens * (4 * (model.vocab_size or 0) + precision.head_bytes_per_hidden * h + 36) if head_too else 0.0
+    v, head_h = model.vocab_size or 0, precision.head_bytes_per_hidden * h + 36
+    if not head_too:
+        head = 0.0
+    elif sp:  # the fp32 logits and the final norm's tensors split; the head's gathered input whole
+        head = tokens * ((4 * v + 8 * h + 4) / tp + head_h - 8 * h - 4)
+    else:
+        head = tokens * (4 * v + head_h)
     if not train.activation_checkpointing:
         return L * block + head
     kept = checkpointed(L, train)  # checkpointed blocks keep their fp32 input
     if train.activation_checkpointing == ActivationCheckpointing.selective:  # and the outputs the rule saves
         c = 4 if precision.compute_dtype == "float32" else 2
         saved = c * (h + kv + f + h) + 4 * a  # q, v, gate and attention's output (split), its log-sum-exp
-        kept_bytes = tokens * (4 * h + c * h + saved / tp)  # the input, down's partial sum (whole)
+        if sp:  # the input and o's and down's reduce-scattered outputs split; a gathered input whole
+            kept_bytes = tokens * (c * h + (4 * h + 2 * c * h + saved) / tp)
+        else:
+            kept_bytes = tokens * (4 * h + c * h + saved / tp)  # the input, down's partial sum (whole)
     else:
-        kept_bytes = tokens * 4 * h
+        kept_bytes = tokens * 4 * h / (tp if sp else 1)
     return kept * kept_bytes + (L - kept) * block + head + (block if recompute else 0.0)
 
 
@@ -279,25 +293,35 @@ def syncs_only_the_last(train: TrainConfig) -> bool:
     return train.grad_accum_steps > 1 and (not train.fsdp_sync_every_microbatch or train.pp > 1)
 
 
-def tp_local(tensors: list[tuple[str, int, bool]], tp: int) -> list[tuple[str, int, bool]]:
+def tp_local(tensors: list[tuple[str, int, bool]], tp: int, sp: bool = False) -> list[tuple[str, int, bool]]:
     """Each parameter tensor's elements on one tp rank: the blocks' Linears and the head split
-    over tp; embeddings and norms whole (replicated)."""
-    return [(kind, n // tp if kind in ("linear", "head") else n, fp8) for kind, n, fp8 in tensors]
+    over tp, the embedding too under sequence parallel (by vocabulary); norms whole (replicated)."""
+    split = ("linear", "head", "embed") if sp else ("linear", "head")
+    return [(kind, n // tp if kind in split else n, fp8) for kind, n, fp8 in tensors]
 
 
-def tp_comm_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, precision: Recipe) -> float:
-    """Bytes one tp rank sends per step before the ring's (tp-1)/tp: per micro-batch and block
-    two all-reduces of the activations (after o_proj and down_proj) forward, again in a
-    checkpointed block's recompute, and backward one of the input gradient of each colwise
-    Linear (q, k, v, gate, up: each takes the whole input on its own), 2 x T·h each at the
-    compute dtype; an untied head all-gathers its logits (T·V) and all-reduces its input's
-    gradient (a tied one is computed whole)."""
+def tp_comm_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, precision: Recipe, sp: bool = False) -> float:
+    """Bytes one tp rank sends per step before the ring's (tp-1)/tp, in all-reduces of 2 x T·h
+    each at the compute dtype (an all-gather or a reduce-scatter is half of one). Per
+    micro-batch and block: forward two (after o_proj and down_proj), again in a checkpointed
+    block's recompute; backward one per colwise Linear (q, k, v, gate, up: each takes the whole
+    input on its own). Under sequence parallel backward is two as well (the gathered input's
+    gradient is summed over q, k, v, then reduce-scattered once; gate and up alike). An untied
+    head all-gathers its logits (T·V) and all-reduces its input's gradient; under sequence
+    parallel the embedding reduce-scatters, the head all-gathers its input and the loss-parallel
+    cross-entropy reduces two floats a token (a tied one is computed whole)."""
     if train.tp == 1:
         return 0.0
+    sp = sp and not model.tie_embeddings
     c = 4 if precision.compute_dtype == "float32" else 2
     t, h, v = seq_len * train.micro_batch_size, model.hidden_size, model.vocab_size or 0
-    all_reduces = 7 * model.num_layers + 2 * checkpointed(model.num_layers, train)
-    head = 0 if model.tie_embeddings else 2 * t * h * c + t * v * c
+    all_reduces = (4 if sp else 7) * model.num_layers + 2 * checkpointed(model.num_layers, train)
+    if model.tie_embeddings:
+        head = 0
+    elif sp:
+        head = 2 * t * h * c + 2 * t * 4
+    else:
+        head = 2 * t * h * c + t * v * c
     return train.grad_accum_steps * (all_reduces * 2 * t * h * c + head)
 
 
@@ -313,26 +337,29 @@ def plan(
     replicate_busbw_gbps: float | None = None,
     tp_busbw_gbps: float | None = None,
     pp_busbw_gbps: float | None = None,
+    cuda: bool = True,
 ) -> Plan:
     """`busbw_gbps`: the bus bandwidth of the data-parallel group (for HSDP, of a shard group);
     `replicate_busbw_gbps`: HSDP's across its replicas; `tp_busbw_gbps`: a tp group's (None:
     the data-parallel group's); `pp_busbw_gbps`: between pipeline stages (None: HSDP's, the
-    network's). Under pipeline parallelism, the plan of the end rank that holds more."""
+    network's); `cuda`: planned for GPUs (fp8 runs sequence parallel only there). Under
+    pipeline parallelism, the plan of the end rank that holds more."""
     if vocab_size is not None and model.vocab_size is None:
         model = ModelConfig(**{**asdict(model), "vocab_size": vocab_size})
     if train.pp > 1:  # the micro-batches the schedule runs (the step's batch split into >= pp of them)
         micro, size = pipeline_microbatches(train)
         train = replace(train, grad_accum_steps=micro, micro_batch_size=size)
     bw = (tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps, tp_busbw_gbps, pp_busbw_gbps)
-    plans = [_plan_rank(model, train, world, seq_len, share, *bw) for share in pipeline_shares(model, train)]
+    sp = sequence_parallel(train, model.tie_embeddings, cuda)
+    plans = [_plan_rank(model, train, world, seq_len, share, sp, *bw) for share in pipeline_shares(model, train)]
     return max(plans, key=lambda p: p.total_gb)
 
 
-def _plan_rank(model, train, world, seq_len, share, tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps,
+def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps,
                tp_busbw_gbps, pp_busbw_gbps) -> Plan:  # fmt: skip
     tp, pp = train.tp, train.pp
     full = param_tensors(model)
-    tensors = tp_local(pipeline_local(full, model, share), tp)  # what one tp rank of this pipeline rank holds
+    tensors = tp_local(pipeline_local(full, model, share), tp, sp)  # what one tp rank of this pipeline rank holds
     n = sum(t[1] for t in tensors)
     dims = ParallelDims.of(train, world)
     dp, sharded = dims.dp, dims.fsdp  # the data-parallel world; FSDP over it
@@ -345,7 +372,7 @@ def _plan_rank(model, train, world, seq_len, share, tflops, peak_tflops, busbw_g
     optimizer = (8 * n + 4 * len(tensors)) / shard
     precision = recipe(train.precision)
     copies = weight_copies(tensors, share.layers, precision, train, sharded)
-    acts = pipeline_activations(model, train, seq_len, share) if pp > 1 else activation_bytes(model, train, seq_len)
+    acts = pipeline_activations(model, train, seq_len, share) if pp > 1 else activation_bytes(model, train, seq_len, sp=sp)
     if world == 1:  # no DDP buckets: gradients are freed after each step and fill in as backward frees activations
         total = weights + optimizer + copies + max(grads, acts)
     else:
@@ -369,7 +396,7 @@ def _plan_rank(model, train, world, seq_len, share, tflops, peak_tflops, busbw_g
                 comm += across / ((replicate_busbw_gbps or busbw_gbps) * GB)
         if tp > 1 and (tp_busbw_gbps or busbw_gbps):
             tp_bw = (tp_busbw_gbps or busbw_gbps) * GB
-            comm += tp_comm_bytes(model, train, s, precision) * (tp - 1) / tp / tp_bw
+            comm += tp_comm_bytes(model, train, s, precision, sp) * (tp - 1) / tp / tp_bw
         if pp > 1 and (pp_bw := pp_busbw_gbps or replicate_busbw_gbps or busbw_gbps):
             c = 4 if precision.compute_dtype == "float32" else 2
             sends = 2 * micro_stages * b * s * h * c / tp  # activations forward, their gradients backward

@@ -89,6 +89,7 @@ def plan_for(cfg) -> tuple[Plan, PlanDevice]:
         busbw_gbps=shard_group_busbw(cfg, d),
         replicate_busbw_gbps=d.busbw_gbps,
         tp_busbw_gbps=tp_group_busbw(cfg.train, cfg.cluster),
+        cuda=bool(cfg.cluster.gpu_type),
     )
     return p, d
 

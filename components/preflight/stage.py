@@ -318,6 +318,7 @@ def run_preflight(
         peak_tflops=published_peak(train, cluster)[0],
         busbw_gbps=busbw if world > 1 else None,
         tp_busbw_gbps=tp_group_busbw(train, cluster),  # the table's NVLink: preflight measures the world's
+        cuda=not all(str(n.get("accelerator", "")).startswith("cpu:") for n in healthy_nodes),
     )
     result = PreflightResult(nodes, verdicts, step_plan, device_gb, time.perf_counter() - t0, published.ref)
     result.quarantined = {n: r.reason for n, r in held_out.items()}

@@ -18,6 +18,7 @@ from components.models import build_model, count_params, token_loss
 from components.parallel import ParallelDims
 from components.parallel.apply import parallelize
 from components.parallel.pipeline import Pipeline
+from components.parallel.tensor import local_loss, loss_scope
 from components.precision import Recipe, recipe
 from components.store import ArtifactStore, Ref, open_store
 from components.stream import StreamingBlocks, open_split
@@ -195,11 +196,18 @@ def build_checkpointer(spec: TrainSpec, train: TrainConfig, store: ArtifactStore
     return ckpt.Checkpointer(checkpoint_root(spec), train.checkpoint_keep, train.checkpoint_async, rank, target, block)
 
 
-def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
-    """One micro-batch's mean token loss (under pipeline parallelism forward only, through
-    every stage: a collective of the pipeline's ranks)."""
+def forward_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's mean token loss, to backpropagate: called inside `loss_scope(job.model)`
+    (a loss-parallel head's is a replicated DTensor). Under pipeline parallelism forward only,
+    through every stage: a collective of the pipeline's ranks."""
     if job.pipeline is not None:
         return job.pipeline.loss(batch)
     with job.recipe.autocast(job.device, job.fsdp):
         logits = job.model(input_ids=batch[:, :-1]).logits
     return token_loss(logits, batch[:, 1:])
+
+
+def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's mean token loss as a plain tensor, forward only (validation, replays)."""
+    with loss_scope(job.model):
+        return local_loss(forward_loss(job, batch))

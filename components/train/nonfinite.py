@@ -19,8 +19,13 @@ def clean_name(name: str) -> str:
 
 
 def _nonfinite(output) -> bool:
+    """Whether this rank's part of a module's output holds a non-finite value (a DTensor's local
+    shard: no collective in a hook; `earliest_culprit` gathers every rank's finding)."""
+    from torch.distributed.tensor import DTensor
+
     tensors = output if isinstance(output, (tuple, list)) else [getattr(output, "logits", output)]
-    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all() for t in tensors)
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all() for t in local)
 
 
 def first_nonfinite_module(model: torch.nn.Module, forward: Callable[[], object]) -> str | None:

@@ -23,12 +23,13 @@ from components import events
 from components.config import Guard, as_plain_dict, drop_none
 from components.models import count_params, spec_of
 from components.parallel.apply import gradient_sync
+from components.parallel.tensor import local_loss, loss_scope
 from components.prelaunch import ResumeError
 from components.train import checkpoint as ckpt
 from components.train import sdc
 from components.train.guards import GuardHalt, add_window, past_skipped
 from components.train.handback import describe, finish, hand_back, training_facts
-from components.train.job import Job, TrainState, build_job, micro_loss
+from components.train.job import Job, TrainState, build_job, forward_loss, micro_loss
 from components.train.monitor import DeviceTimer, StepLine, device_peak_tflops, peak_memory_bytes, step_text
 from components.train.nonfinite import earliest_culprit, first_nonfinite_module
 from components.train.optim import clip_and_step, lr_at, set_lr
@@ -80,11 +81,11 @@ def train_step(job: Job, state: TrainState) -> dict:
         if job.pipeline is not None:
             pipelined.append(batch)
             continue
-        with gradient_sync(job.model, micro == accum - 1, job.train.fsdp_sync_every_microbatch):
+        with gradient_sync(job.model, micro == accum - 1, job.train.fsdp_sync_every_microbatch), loss_scope(job.model):
             with forward:
-                loss = micro_loss(job, batch) / accum
+                loss = forward_loss(job, batch) / accum
             (job.scaler.scale(loss) if job.scaler is not None else loss).backward()
-        loss_sum += loss.detach()
+        loss_sum += local_loss(loss.detach())
     if pipelined:  # forward and backward of every micro-batch through the stages
         with forward:
             loss_sum = job.pipeline.step(torch.cat(pipelined))

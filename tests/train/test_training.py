@@ -475,15 +475,16 @@ def test_tensor_parallel_trains_the_losses_and_weights_of_one_process(trainer, o
     """TP=2 on two nodes (one process each: the pair splits every block's matmuls, both read the
     same 8 sequences) and TP=2 x FSDP=2 on 2 nodes x 2 processes (2 data-parallel ranks of 4):
     the global batch of one process with 8. fp32, 10 steps: losses within 1e-4 relative and
-    weights within 1e-4 of the one process; the live models' block projections and head are
-    DTensors split over the tp mesh dimension, FSDP's on top in the 2-D run."""
+    weights within 1e-4 of the one process; the live models' block projections, head and
+    embedding (split by vocabulary under sequence parallel, the default) are DTensors split
+    over the tp mesh dimension, FSDP's on top in the 2-D run; the loss is the loss-parallel one."""
     one = one_process
     tp = trainer.run(*REFERENCE, *TWO_NODES, "train.tp=2", "train.micro_batch_size=8")
     tp_fsdp = Trainer(trainer.dataset_store, trainer.tmp / "tp_fsdp").run(
         *REFERENCE, "cluster.nodes=2", "cluster.procs_per_node=2", "train.parallelism=fsdp", "train.tp=2",
         "train.micro_batch_size=4",
     )  # fmt: skip
-    split = 7 * LAYOUT_BLOCKS + 1  # q, k, v, o, gate, up, down per block, and the head
+    split = 7 * LAYOUT_BLOCKS + 2  # q, k, v, o, gate, up, down per block, the head, the embedding (sequence parallel)
     assert tp.result.wrapped_modules["tp_params"] == split and tp.result.wrapped_modules["fsdp"] == 0
     assert (
         tp_fsdp.result.wrapped_modules["tp_params"] == split
