@@ -36,15 +36,15 @@ WARMUP, STEPS = 3, 10
 
 
 def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int, seq_len: int) -> dict | None:
-    import torch.nn.functional as F
 
     from benchmarks.gpu import preset, train_config
     from components.config import Parallelism, Precision
     from components.devices import peak_tflops
     from components.model_math import flops_per_token, mfu
-    from components.models import build_model, count_params
+    from components.models import build_model, count_params, token_loss
     from components.parallel import ParallelDims
     from components.parallel.apply import parallelize
+    from components.parallel.tensor import loss_scope
     from components.precision import recipe
     from components.train.handback import wrapped_modules
     from components.train.optim import build_optimizer, clip_and_step
@@ -73,9 +73,10 @@ def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int,
     batch = torch.randint(0, model_cfg.vocab_size, (micro, seq_len + 1), device=device, generator=g)
 
     def step() -> None:
-        with r.autocast(device, fsdp=sharded):
-            logits = model(input_ids=batch[:, :-1]).logits
-        F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
+        with loss_scope(model):  # the trainer's: under TP with sequence parallel, the loss-parallel one
+            with r.autocast(device, fsdp=sharded):
+                logits = model(input_ids=batch[:, :-1]).logits
+            token_loss(logits, batch[:, 1:]).backward()
         clip_and_step(model, optimizer, 1.0, None)
         r.after_optimizer_step(model, train, sharded)
 

@@ -44,6 +44,7 @@ NOT_IDENTITY = {
     "fsdp_sync_every_microbatch",  # the reduction order, as the world size: rounding, not the math
     "dp_replicate",  # HSDP's layout, as the world size
     "tp",  # tensor parallelism's layout: DCP reshards its checkpoints into any other
+    "sequence_parallel",  # how tp splits activations: rounding, not the math; the same parameter names
     "pp",  # pipeline parallelism's layout, as tp: a stage saves the full model's names
     "pp_schedule",  # the order micro-batches run in: the same averaged gradient
     "activation_checkpointing",

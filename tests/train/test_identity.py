@@ -63,6 +63,7 @@ BOOKKEEPING = {
     "fsdp_sync_every_microbatch": False,
     "dp_replicate": 2,
     "tp": 2,
+    "sequence_parallel": False,
     "pp": 2,
     "pp_schedule": "gpipe",
     "activation_checkpointing": "full",
