@@ -54,11 +54,21 @@ NOT_IDENTITY = {
 }
 
 
+# what `model.family` brought (the mixture of experts): a Llama's are the defaults, left out so
+# every Llama run keeps the identity it had before the key existed
+_FAMILY_KEYS = {"family": "llama", "num_experts": 0, "experts_per_token": 0, "router_aux_loss_coef": 0.0}
+
+
+def model_identity(model: ModelConfig) -> dict:
+    plain = drop_none(as_plain_dict(model))
+    return {k: v for k, v in plain.items() if not (k in _FAMILY_KEYS and model.family == "llama" and v == _FAMILY_KEYS[k])}
+
+
 def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> str:
     math = {k: v for k, v in as_plain_dict(train).items() if k not in NOT_IDENTITY}
     if train.resume not in ("auto", "never"):  # a seeded run continues that checkpoint's trajectory
         math["seed_checkpoint"] = train.resume
-    ident = {"dataset": dataset, "model": drop_none(as_plain_dict(model)), "train": math}
+    ident = {"dataset": dataset, "model": model_identity(model), "train": math}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -37,9 +37,21 @@ def flops_per_token(cfg: ModelConfig, n_params_no_embed: int, seq_len: int) -> f
     return 6 * n_params_no_embed + 12 * cfg.num_layers * cfg.num_heads * head_dim * seq_len
 
 
+# the kinds of `param_tensors` inside the repeated blocks, and those a matmul multiplies by
+BLOCK_KINDS = ("linear", "block_norm", "router", "expert")
+MATMUL_KINDS = ("linear", "head", "router", "expert")
+
+
+def active(cfg: ModelConfig, kind: str, numel: int) -> float:
+    """The elements of a parameter tensor one token's forward multiplies by: all of them, but of
+    an "expert" tensor (every expert's weights stacked) the experts_per_token it is routed to."""
+    return numel * cfg.experts_per_token / cfg.num_experts if kind == "expert" else numel
+
+
 def planned_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """`flops_per_token` from the tensor layout, before any model is built."""
-    n = sum(numel for _, numel, _ in param_tensors(cfg))
+    """`flops_per_token` from the tensor layout, before any model is built: of a mixture of
+    experts, its active parameters (the MFU a run reports counts those too)."""
+    n = sum(active(cfg, kind, numel) for kind, numel, _ in param_tensors(cfg))
     return flops_per_token(cfg, n - (cfg.vocab_size or 0) * cfg.hidden_size, seq_len)
 
 

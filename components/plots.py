@@ -74,3 +74,15 @@ def loss_png(steps: list[dict], vals: list[dict]) -> str:
     if vals:
         series.append(("val loss", [v["step"] for v in vals], [v["val_loss"] for v in vals]))
     return lines_png(series, "loss")
+
+
+def expert_load_png(steps: list[dict]) -> str | None:
+    """A mixture of experts' router balance: each expert's share of the routed tokens per step
+    (1 / num_experts each when balanced); None for a model without experts."""
+    routed = [s for s in steps if s.get("expert_load")]
+    if not routed:
+        return None
+    xs = [s["step"] for s in routed]
+    series = [(f"expert {e}", xs, [s["expert_load"][e] for s in routed]) for e in range(len(routed[0]["expert_load"]))]
+    return lines_png(series, "share of routed tokens")
+

@@ -214,7 +214,7 @@ MUTATIONS = [
     Mutation(
         "tp: the blocks' Linears not split over the tp ranks",
         "components/parallel/tensor.py",
-        "        parallelize_module(block, tp_mesh, _styles(per_block, block, float8))\n",
+        "        parallelize_module(block, tp_mesh, _styles(per_block, block, float8, sp))\n",
         "        pass\n",
         ("tests/test_benchmarks.py::test_the_sharded_gpu_cases_run_under_torchrun_and_fp8_is_all_gathered_in_fp8",),
     ),
@@ -338,7 +338,7 @@ MUTATIONS = [
     Mutation(
         "planner: selective checkpointing plans no recompute",
         "components/preflight/plan.py",
-        "        return 2 * L * (h * kv + h * h + h * model.ffn_hidden_size)\n",
+        "        return 2 * L * (h * kv + h * h + h * model.ffn_hidden_size * experts)\n",
         "        return 0.0\n",
         ("tests/train/test_units.py::test_planned_selective_recompute_flops_are_what_backward_does_again",),
     ),
@@ -778,6 +778,34 @@ MUTATIONS = [
         "    sp = sequence_parallel(train, model.tie_embeddings, cuda)\n",
         "    sp = False\n",
         ("tests/preflight/test_plan.py::test_torchtitans_published_70b_2d_row_plans_under_100_gb_with_sequence_parallel",),
+    ),
+    Mutation(
+        "moe: the router's aux loss never joins the loss",
+        "components/train/job.py",
+        "        loss = loss + term\n",
+        "        loss = loss\n",
+        ("tests/train/test_moe.py::test_the_router_aux_loss_is_in_the_gradient_and_a_model_trained_without_it_routes_differently",),
+    ),
+    Mutation(
+        "planner: a mixture of experts' FLOPs count every expert",
+        "components/model_math.py",
+        'return numel * cfg.experts_per_token / cfg.num_experts if kind == "expert" else numel',
+        "return numel",
+        ("tests/preflight/test_plan.py::test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flops",),
+    ),
+    Mutation(
+        "moe: the step record carries no expert load",
+        "components/train/worker.py",
+        '    balance = {"expert_load": [n / routed for n in expert_tokens]} if routed else {}',
+        "    balance = {}",
+        ("tests/train/test_moe.py::test_a_mixture_of_experts_trains_under_fsdp_and_ddp_and_exports_a_plain_mixtral",),
+    ),
+    Mutation(
+        "model.family is ignored: every config builds Llama",
+        "components/models/__init__.py",
+        "    return FAMILIES[cfg.family]",
+        '    return FAMILIES["llama"]',
+        ("tests/preflight/test_plan.py::test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flops",),
     ),
 ]
 

@@ -456,3 +456,21 @@ def test_the_module_path_scan_sees_strings_and_attributes():
                    'n = name.endswith("input_layernorm")'):  # fmt: skip
         assert _module_paths(source), source
     assert not _module_paths('def f():\n    """the lm_head"""\n    return 1')
+
+
+def test_the_config_rules_know_every_model_family_by_name():
+    """`model.family` is checked at compose time against the families' names (the config cannot
+    import components/models/, which imports it): both lists are the same."""
+    from components.config.rules import FAMILY_NAMES
+    from components.models import FAMILIES
+
+    assert tuple(FAMILIES) == FAMILY_NAMES and all(spec.family == name for name, spec in FAMILIES.items())
+
+
+def test_every_mutation_still_applies():
+    """tests/mutations.py names each feature's one-line break: a change of the code it breaks must
+    carry its mutation along (its text in its file exactly once), or the feature is unguarded."""
+    from tests.mutations import MUTATIONS, ROOT
+
+    stale = [m.name for m in MUTATIONS if (ROOT / m.path).read_text().count(m.old) != 1]
+    assert not stale, stale

@@ -104,7 +104,23 @@ def model_rules(model: ModelConfig) -> list[str]:
          "(each kv head serves a whole group of query heads)"),
         ("model.head_dim", (model.hidden_size // heads) % 2 == 0,
          "hidden_size / num_heads must be even for rotary embeddings"),
+        *family_rules(model),
     ])  # fmt: skip
+
+
+FAMILY_NAMES = ("llama", "moe")  # components/models/FAMILIES (tests/test_layout.py holds the two alike)
+
+
+def family_rules(model: ModelConfig) -> list:
+    moe = model.family == "moe"
+    k, e = model.experts_per_token, model.num_experts
+    return [
+        ("model.family", model.family in FAMILY_NAMES, f"{model.family!r}: one of {', '.join(FAMILY_NAMES)}"),
+        ("model.num_experts", (e >= 2) if moe else e == 0,
+         f"{e}: model.family=moe needs 2 or more experts" if moe else f"{e}: only model.family=moe has experts"),
+        ("model.experts_per_token", (1 <= k <= e) if moe else k == 0,
+         f"{k} must be in [1, model.num_experts={e}]" if moe else f"{k}: only model.family=moe routes to experts"),
+    ]
 
 
 def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model: ModelConfig | None = None):
@@ -143,6 +159,9 @@ def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model:
     )
     if train.pp > 1 and train.pp_schedule in PIPELINE_SCHEDULES:
         rules += pipeline_rules(train, world, model)
+    if model is not None and model.family == "moe":  # experts replicated in the FSDP shard, no expert parallelism
+        for key, degree in (("train.tp", tp), ("train.pp", train.pp)):
+            rules.append((key, degree == 1, f"{degree}: model.family=moe trains under DDP or FSDP only (no TP or PP)"))
     if tp > 1 and model is not None:
         for key, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
                        ("ffn_hidden_size", model.ffn_hidden_size)):  # fmt: skip

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from components.page import STYLE, header
-from components.plots import curve_png, loss_png, read_timeline
+from components.plots import curve_png, expert_load_png, loss_png, read_timeline
 from components.store import Manifest
 
 LOWER_IS_BETTER = {"val_loss", "val_perplexity", "val_bits_per_byte", "perplexity_vs_unigram"}
@@ -124,6 +124,8 @@ def _curves(training_metrics: Path | None) -> str:
         ("peak_memory", "peak memory (GiB)", curve_png(steps, "peak_memory_bytes", "peak memory (GiB)", 2**-30)),
         ("step_s", "step time (s)", curve_png(steps, "step_s", "step time (s)")),
     ]
+    if (load := expert_load_png(steps)) is not None:
+        plots.append(("expert_load", "expert load: each expert's share of the routed tokens", load))
     figs = "".join(
         f"<figure><img class='curve' alt='{key}' src='data:image/png;base64,{png}'/>"
         f"<figcaption>{html.escape(caption)}</figcaption></figure>"

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from components.config import ModelConfig
 from components.models.llama import Llama
+from components.models.moe import Moe
 
 if TYPE_CHECKING:
     import torch
@@ -48,14 +49,17 @@ class ModelSpec(Protocol):
 
     def param_tensors(self, model: ModelConfig) -> list[tuple[str, int, bool]]: ...  # the planner's tensors
 
+    def aux_loss(self, model: nn.Module, output) -> torch.Tensor | None: ...  # added to the token loss
 
-FAMILIES: dict[str, ModelSpec] = {"llama": Llama()}
+    def expert_load(self, model: nn.Module, output) -> torch.Tensor | None: ...  # tokens per expert
+
+
+FAMILIES: dict[str, ModelSpec] = {"llama": Llama(), "moe": Moe()}
 
 
 def spec_for(cfg: ModelConfig) -> ModelSpec:
-    """The family a `model` config builds: Llama, the only one so far (the second family adds
-    its `model.family` key to the schema, default llama, and is looked up here by it)."""
-    return FAMILIES["llama"]
+    """The family a `model` config builds (`model.family`)."""
+    return FAMILIES[cfg.family]
 
 
 def spec_of(model: nn.Module) -> ModelSpec:

@@ -86,6 +86,14 @@ class Llama:
         }
         return block, ends
 
+    def aux_loss(self, model: nn.Module, output) -> torch.Tensor | None:
+        """A loss term the family adds to the token loss (a router's): none."""
+        return None
+
+    def expert_load(self, model: nn.Module, output) -> torch.Tensor | None:
+        """Tokens each expert took in a forward: no experts."""
+        return None
+
     def tie_again(self, model: nn.Module) -> None:
         """After a layout gave the head its own Parameter: share the embedding's again."""
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -88,7 +88,16 @@ from dataclasses import asdict, dataclass, replace
 
 from components.config import ActivationCheckpointing, ModelConfig, Parallelism, TrainConfig
 from components.config.bounds import PIPELINE_SCHEDULES
-from components.model_math import host_memory_bytes, mfu, param_tensors, planned_flops_per_token, stage_layers
+from components.model_math import (
+    BLOCK_KINDS,
+    MATMUL_KINDS,
+    active,
+    host_memory_bytes,
+    mfu,
+    param_tensors,
+    planned_flops_per_token,
+    stage_layers,
+)
 from components.parallel import ParallelDims, pipeline_microbatches, sequence_parallel
 from components.precision import Recipe, recipe
 
@@ -135,13 +144,13 @@ def weight_copies(
 
     def cost(kinds: tuple[str, ...]) -> float:
         return sum(
-            n * precision.copy_bytes(kind in ("linear", "head"), fp8, sharded, train)
+            n * precision.copy_bytes(kind in MATMUL_KINDS, fp8, sharded, train)
             for kind, n, fp8 in tensors
             if kind in kinds
         )
 
     root = cost(("embed", "norm", "head"))
-    blocks = cost(("linear", "block_norm"))
+    blocks = cost(BLOCK_KINDS)
     if sharded:
         return root + (blocks if train.pp > 1 else min(2, layers) * blocks / layers)
     if not train.activation_checkpointing:
@@ -168,7 +177,9 @@ def activation_bytes(
     whole_h, split_h, per_kv, per_ffn = precision.block_act_bytes(tp, sp)
     norms = 8  # the two RMSNorms' fp32 reciprocal RMS per token: split along the sequence under sp
     whole = whole_h * h + (0 if sp else norms)
-    heads = split_h * h + per_kv * kv + per_ffn * f + 4 * a + (norms if sp else 0)
+    f *= model.experts_per_token or 1  # a mixture of experts: each token through that many expert MLPs
+    router = 8 * model.num_experts  # its fp32 logits and softmax (a rough count: not held to a measurement)
+    heads = split_h * h + per_kv * kv + per_ffn * f + 4 * a + (norms if sp else 0) + router
     block = tokens * (whole + heads / tp)
     v, head_h = model.vocab_size or 0, precision.head_bytes_per_hidden * h + 36
     if not head_too:
@@ -255,8 +266,8 @@ def pipeline_activations(model: ModelConfig, train: TrainConfig, seq_len: int, s
 def pipeline_local(tensors: list[tuple[str, int, bool]], model: ModelConfig, share: PipelineShare) -> list:
     """The parameter tensors of one pipeline rank: its blocks' (all blocks alike), the
     embeddings on the first, the final norm and the head on the last."""
-    per_block = sum(kind in ("linear", "block_norm") for kind, _, _ in tensors) // model.num_layers
-    blocks = [t for t in tensors if t[0] in ("linear", "block_norm")][: share.layers * per_block]
+    per_block = sum(kind in BLOCK_KINDS for kind, _, _ in tensors) // model.num_layers
+    blocks = [t for t in tensors if t[0] in BLOCK_KINDS][: share.layers * per_block]
     ends = [t for t in tensors if (t[0] == "embed" and share.first) or (t[0] in ("norm", "head") and share.last)]
     return ends + blocks
 
@@ -268,7 +279,8 @@ def recomputed_flops(model: ModelConfig, train: TrainConfig, n_blocks: int, seq_
     h, a, L = model.hidden_size, model.num_heads, model.num_layers
     if train.activation_checkpointing == ActivationCheckpointing.selective:
         kv = h // a * model.num_kv_heads
-        return 2 * L * (h * kv + h * h + h * model.ffn_hidden_size)
+        experts = model.experts_per_token or 1  # up: in each expert a token is routed to
+        return 2 * L * (h * kv + h * h + h * model.ffn_hidden_size * experts)
     return checkpointed(model.num_layers, train) / L * (2 * n_blocks + 4 * L * h * seq_len)
 
 
@@ -280,7 +292,7 @@ def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: T
     n = sum(t[1] for t in tensors)
     if train.parallelism != Parallelism.fsdp:
         return 2 * 4 * n
-    gathered = sum(k * precision.copy_bytes(kind in ("linear", "head"), fp8, True, train) for kind, k, fp8 in tensors)
+    gathered = sum(k * precision.copy_bytes(kind in MATMUL_KINDS, fp8, True, train) for kind, k, fp8 in tensors)
     reductions = 1 if syncs_only_the_last(train) else train.grad_accum_steps
     return 2 * train.grad_accum_steps * gathered + reductions * 4 * n
 
@@ -379,7 +391,7 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
         total = weights + grads + optimizer + copies + acts
     h, s, b = model.hidden_size, seq_len, train.micro_batch_size
     fpt = planned_flops_per_token(model, s)
-    n_blocks = sum(k for kind, k, _ in full if kind in ("linear", "block_norm"))
+    n_blocks = sum(active(model, kind, k) for kind, k, _ in full if kind in BLOCK_KINDS)  # what a token multiplies
     recompute = recomputed_flops(model, train, n_blocks, s)
     step = compute = comm = tps = utilization = None
     if tflops:

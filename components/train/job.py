@@ -3,6 +3,7 @@ data, optimizer, checkpointer, monitor), the state the loop carries, and one mic
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -13,8 +14,8 @@ import torch
 
 from components.config import ModelConfig, TrainConfig
 from components.distributed import init_distributed
-from components.model_math import flops_per_token
-from components.models import build_model, count_params, token_loss
+from components.model_math import planned_flops_per_token
+from components.models import build_model, spec_of, token_loss
 from components.parallel import ParallelDims
 from components.parallel.apply import parallelize
 from components.parallel.pipeline import Pipeline
@@ -121,7 +122,8 @@ def build_job(spec: TrainSpec) -> Job:
     sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, dp, dp_rank, train.seed)
     model = build_model(model_cfg, model_cfg.vocab_size or vocab, train.seed).to(device)
     seq_len = blocks.block_len - 1
-    n_flops = flops_per_token(model_cfg, count_params(model, exclude_embeddings=True), seq_len)
+    sized = ModelConfig(**{**dataclasses.asdict(model_cfg), "vocab_size": model_cfg.vocab_size or vocab})
+    n_flops = planned_flops_per_token(sized, seq_len)  # of a mixture of experts, its active parameters
     precision.apply(model, train, device)
     model = parallelize(model, train, dims, device, precision)  # TP -> AC -> compile -> FSDP/DDP
     fsdp = dims.fsdp  # what `parallelize` sharded
@@ -196,18 +198,26 @@ def build_checkpointer(spec: TrainSpec, train: TrainConfig, store: ArtifactStore
     return ckpt.Checkpointer(checkpoint_root(spec), train.checkpoint_keep, train.checkpoint_async, rank, target, block)
 
 
-def forward_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
-    """One micro-batch's mean token loss, to backpropagate: called inside `loss_scope(job.model)`
-    (a loss-parallel head's is a replicated DTensor). Under pipeline parallelism forward only,
-    through every stage: a collective of the pipeline's ranks."""
+def forward_loss(job: Job, batch: torch.Tensor, loads: list | None = None, aux: bool = True) -> torch.Tensor:
+    """One micro-batch's loss, to backpropagate: the mean token loss plus the family's own term
+    (a mixture of experts' router load-balancing loss), called inside `loss_scope(job.model)`
+    (a loss-parallel head's is a replicated DTensor); `loads` collects the tokens each expert
+    took; `aux=False`: the token loss alone (validation). Under pipeline parallelism forward only, through every stage: a collective of the
+    pipeline's ranks."""
     if job.pipeline is not None:
         return job.pipeline.loss(batch)
     with job.recipe.autocast(job.device, job.fsdp):
-        logits = job.model(input_ids=batch[:, :-1]).logits
-    return token_loss(logits, batch[:, 1:])
+        output = job.model(input_ids=batch[:, :-1])
+    loss = token_loss(output.logits, batch[:, 1:])
+    family = spec_of(job.model)
+    if aux and (term := family.aux_loss(job.model, output)) is not None:
+        loss = loss + term
+    if loads is not None and (load := family.expert_load(job.model, output)) is not None:
+        loads.append(load)
+    return loss
 
 
 def micro_loss(job: Job, batch: torch.Tensor) -> torch.Tensor:
     """One micro-batch's mean token loss as a plain tensor, forward only (validation, replays)."""
     with loss_scope(job.model):
-        return local_loss(forward_loss(job, batch))
+        return local_loss(forward_loss(job, batch, aux=False))

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from components import page
-from components.plots import curve_png, loss_png, read_records, read_timeline, timeline
+from components.plots import curve_png, expert_load_png, loss_png, read_records, read_timeline, timeline
 
 
 def final_metrics(path: Path) -> dict[str, float]:
@@ -48,6 +48,8 @@ def curves_html(path: Path, identity: dict[str, str] | None = None) -> str:
         (curve_png(steps, "peak_memory_bytes", "peak memory (GiB)", 2**-30), "peak memory"),
         (curve_png(steps, "step_s", "step time (s)"), "step time"),
     ]
+    if (load := expert_load_png(steps)) is not None:
+        plots.append((load, "expert load (router balance)"))
     events = [r for r in records if r.get("kind") not in ("step", "val")]
     rows = [[e["kind"], e.get("step", ""), _details(e)] for e in events]
     title = (identity or {}).get("training run", "training run")

@@ -69,6 +69,7 @@ def train_step(job: Job, state: TrainState) -> dict:
     t0, first_sample = time.perf_counter(), state.samples
     accum, forward, data_s = job.train.grad_accum_steps, DeviceTimer(job.device), 0.0
     loss_sum = torch.zeros((), device=job.device)
+    loads: list[torch.Tensor] = []  # a mixture of experts': the tokens each expert took, per micro-batch
     first_batch = None  # replayed to name the culprit module if the step turns out non-finite
     pipelined = []  # under pipeline parallelism: the step's micro-batches, run by the schedule
     for micro in range(accum):
@@ -83,7 +84,7 @@ def train_step(job: Job, state: TrainState) -> dict:
             continue
         with gradient_sync(job.model, micro == accum - 1, job.train.fsdp_sync_every_microbatch), loss_scope(job.model):
             with forward:
-                loss = forward_loss(job, batch) / accum
+                loss = forward_loss(job, batch, loads) / accum
             (job.scaler.scale(loss) if job.scaler is not None else loss).backward()
         loss_sum += local_loss(loss.detach())
     if pipelined:  # forward and backward of every micro-batch through the stages
@@ -93,10 +94,11 @@ def train_step(job: Job, state: TrainState) -> dict:
     # all ranks agree on the loss and on whether every rank's async checkpoint is on disk
     t_comm = time.perf_counter()
     pending = 0.0 if job.checkpointer.pending_done() else 1.0
-    loss_and_pending = torch.stack([loss_sum, torch.full((), pending, device=job.device)])  # filled on the device
+    load = torch.stack(loads).sum(0) if loads else torch.zeros(0, device=job.device)  # experts' tokens, summed too
+    loss_and_pending = torch.cat([torch.stack([loss_sum, torch.full((), pending, device=job.device)]), load])
     with job.collectives.collective("all_reduce", "loss", state.step):
         dist.all_reduce(loss_and_pending)
-    loss_total, pending_ranks = loss_and_pending.tolist()
+    loss_total, pending_ranks, *expert_tokens = loss_and_pending.tolist()
     comm_s = time.perf_counter() - t_comm
     step_loss = loss_total / job.dims.loss_holders()  # every rank of the last stage holds a loss
 
@@ -116,7 +118,10 @@ def train_step(job: Job, state: TrainState) -> dict:
     opt_s = time.perf_counter() - t_opt
     spike = record_outcome(job, state, finding, stepped, step_loss, grad_norm, first_batch, first_sample)
     step_s = time.perf_counter() - t0
+    routed = sum(expert_tokens)
+    balance = {"expert_load": [n / routed for n in expert_tokens]} if routed else {}  # each expert's share
     return {
+        **balance,
         "step": state.step,
         "loss": step_loss,
         "grad_norm": grad_norm,

@@ -43,9 +43,12 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_tiny_plan_equals_real_tensor_bytes_after_one_step(tie):
-    model_cfg = defaults("model", vocab_size=1024, tie_embeddings=tie)
+MOE_TINY = {"family": "moe", "num_experts": 4, "experts_per_token": 2, "router_aux_loss_coef": 0.02}
+
+
+@pytest.mark.parametrize("tie, family", [(False, {}), (True, {}), (False, MOE_TINY)])
+def test_tiny_plan_equals_real_tensor_bytes_after_one_step(tie, family):
+    model_cfg = defaults("model", vocab_size=1024, tie_embeddings=tie, **family)
     train_cfg = defaults("train")
     model = build_model(model_cfg, 1024, seed=0)
     opt = build_optimizer(model, train_cfg)
@@ -493,3 +496,27 @@ def test_torchtitans_published_70b_2d_row_plans_under_100_gb_with_sequence_paral
     sp, _ = plan_for(_cfg(*TORCHTITAN_70B_2D))
     whole, _ = plan_for(_cfg(*TORCHTITAN_70B_2D, "train.sequence_parallel=false"))
     assert sp.total_gb < 100 < 2 * sp.total_gb < whole.total_gb, (sp.total_gb, whole.total_gb)
+
+
+def test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flops():
+    """Issue 39, point 6: a mixture of experts holds every expert (Mixtral-8x7B's shape: 46.7B
+    parameters, as the real model built on the meta device has them) but a token's forward
+    multiplies by the experts it is routed to: the planned matmul FLOPs per token are 3x those
+    torch's FlopCounterMode counts in a real moe-tiny forward (2 of its 4 experts a token)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from components.model_math import flops_per_token, planned_flops_per_token
+
+    big = OmegaConf.to_object(compose(["model=mixtral-8x7b"])).model
+    with torch.device("meta"):
+        held = sum(p.numel() for p in build_model(big, big.vocab_size, seed=None).parameters())
+    assert plan(big, defaults("train"), world=1, seq_len=4096).params == held and 46.6e9 < held < 46.8e9
+    tiny = OmegaConf.to_object(compose(["model=moe-tiny", "model.vocab_size=512"])).model
+    model, seq = build_model(tiny, 512, seed=0), 32
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(input_ids=torch.randint(0, 512, (4, seq)))
+    counts = counter.get_flop_counts()["Global"]
+    matmuls = sum(n for op, n in counts.items() if "attention" not in str(op)) / (4 * seq)
+    attention = flops_per_token(tiny, 0, seq)  # the score and value products, planned apart
+    assert planned_flops_per_token(tiny, seq) - attention == pytest.approx(3 * matmuls, rel=1e-6)

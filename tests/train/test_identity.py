@@ -154,3 +154,16 @@ def test_a_sweep_reads_the_eval_of_its_own_trial_not_one_differing_in_warmup_or_
         model = publish(store, tmp_path, "model", typed.model.name, f"m{i}", metadata={"train": train})
         refs[value] = publish(store, tmp_path, "eval", typed.model.name, f"m{i}-{suffix}", [str(model)])
     assert submitted_eval(store, cfg, since=0.0) == str(refs[wanted])
+
+
+def test_a_llama_keeps_the_identity_it_had_before_model_family_existed():
+    """The mixture-of-experts keys (model.family and its experts) joined the model config after
+    Llama runs were stored: a Llama's identity leaves their defaults out, so `resume=auto` still
+    finds those runs (the value below was computed by the code before the keys existed); a
+    mixture of experts is an identity of its own."""
+    from components.config import defaults
+    from components.identity import training_identity
+
+    assert training_identity("dataset/kjv@abc", defaults("model"), defaults("train")) == "72c464bf3ea9dc5a"
+    moe = defaults("model", family="moe", num_experts=4, experts_per_token=2)
+    assert training_identity("dataset/kjv@abc", moe, defaults("train")) != "72c464bf3ea9dc5a"
