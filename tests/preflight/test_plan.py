@@ -503,6 +503,7 @@ def test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flop
     parameters, as the real model built on the meta device has them) but a token's forward
     multiplies by the experts it is routed to: the planned matmul FLOPs per token are 3x those
     torch's FlopCounterMode counts in a real moe-tiny forward (2 of its 4 experts a token)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from components.model_math import flops_per_token, planned_flops_per_token
@@ -513,10 +514,20 @@ def test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flop
     assert plan(big, defaults("train"), world=1, seq_len=4096).params == held and 46.6e9 < held < 46.8e9
     tiny = OmegaConf.to_object(compose(["model=moe-tiny", "model.vocab_size=512"])).model
     model, seq = build_model(tiny, 512, seed=0), 32
+
+    class GroupedMatmuls(TorchDispatchMode):  # the experts' `aten._grouped_mm`, which FlopCounterMode skips
+        flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._grouped_mm.default:  # (rows, k) x (experts, k, n): 2·rows·k·n
+                GroupedMatmuls.flops += 2 * args[0].shape[0] * args[0].shape[-1] * args[1].shape[-1]
+            return func(*args, **(kwargs or {}))
+
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
+    with counter, GroupedMatmuls(), torch.no_grad():
         model(input_ids=torch.randint(0, 512, (4, seq)))
     counts = counter.get_flop_counts()["Global"]
-    matmuls = sum(n for op, n in counts.items() if "attention" not in str(op)) / (4 * seq)
+    matmuls = (sum(n for op, n in counts.items() if "attention" not in str(op)) + GroupedMatmuls.flops) / (4 * seq)
     attention = flops_per_token(tiny, 0, seq)  # the score and value products, planned apart
-    assert planned_flops_per_token(tiny, seq) - attention == pytest.approx(3 * matmuls, rel=1e-6)
+    norms = sum(p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight"))  # 6N counts them
+    assert planned_flops_per_token(tiny, seq) - attention == pytest.approx(3 * matmuls + 6 * norms, rel=1e-9)
