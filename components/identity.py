@@ -61,7 +61,8 @@ _FAMILY_KEYS = {"family": "llama", "num_experts": 0, "experts_per_token": 0, "ro
 
 def model_identity(model: ModelConfig) -> dict:
     plain = drop_none(as_plain_dict(model))
-    return {k: v for k, v in plain.items() if not (k in _FAMILY_KEYS and model.family == "llama" and v == _FAMILY_KEYS[k])}
+    llama = model.family == "llama"
+    return {k: v for k, v in plain.items() if not (llama and k in _FAMILY_KEYS and v == _FAMILY_KEYS[k])}
 
 
 def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> str:

@@ -85,4 +85,3 @@ def expert_load_png(steps: list[dict]) -> str | None:
     xs = [s["step"] for s in routed]
     series = [(f"expert {e}", xs, [s["expert_load"][e] for s in routed]) for e in range(len(routed[0]["expert_load"]))]
     return lines_png(series, "share of routed tokens")
-

@@ -762,36 +762,46 @@ MUTATIONS = [
         "components/parallel/apply.py",
         'sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")',
         "sp = False",
-        ("tests/train/test_training.py::test_tensor_parallel_trains_the_losses_and_weights_of_one_process",
-         "tests/preflight/test_plan.py::test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds"),
+        (
+            "tests/train/test_training.py::test_tensor_parallel_trains_the_losses_and_weights_of_one_process",
+            "tests/preflight/test_plan.py::test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds",
+        ),
     ),
     Mutation(
         "loss-parallel head: the logits gathered whole",
         "components/parallel/tensor.py",
         "ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)",
         "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=False)",
-        ("tests/preflight/test_plan.py::test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds",),
+        (
+            "tests/preflight/test_plan.py::test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds",
+        ),
     ),
     Mutation(
         "planner: sequence parallel never planned",
         "components/preflight/plan.py",
         "    sp = sequence_parallel(train, model.tie_embeddings, cuda)\n",
         "    sp = False\n",
-        ("tests/preflight/test_plan.py::test_torchtitans_published_70b_2d_row_plans_under_100_gb_with_sequence_parallel",),
+        (
+            "tests/preflight/test_plan.py::test_torchtitans_published_70b_2d_row_plans_under_100_gb_with_sequence_parallel",
+        ),
     ),
     Mutation(
         "moe: the router's aux loss never joins the loss",
         "components/train/job.py",
         "        loss = loss + term\n",
         "        loss = loss\n",
-        ("tests/train/test_moe.py::test_the_router_aux_loss_is_in_the_gradient_and_a_model_trained_without_it_routes_differently",),
+        (
+            "tests/train/test_moe.py::test_the_router_aux_loss_is_in_the_gradient_and_a_model_trained_without_it_routes_differently",
+        ),
     ),
     Mutation(
         "planner: a mixture of experts' FLOPs count every expert",
         "components/model_math.py",
         'return numel * cfg.experts_per_token / cfg.num_experts if kind == "expert" else numel',
         "return numel",
-        ("tests/preflight/test_plan.py::test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flops",),
+        (
+            "tests/preflight/test_plan.py::test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flops",
+        ),
     ),
     Mutation(
         "moe: the step record carries no expert load",
@@ -805,7 +815,9 @@ MUTATIONS = [
         "components/models/__init__.py",
         "    return FAMILIES[cfg.family]",
         '    return FAMILIES["llama"]',
-        ("tests/preflight/test_plan.py::test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flops",),
+        (
+            "tests/preflight/test_plan.py::test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flops",
+        ),
     ),
 ]
 

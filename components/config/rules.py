@@ -116,10 +116,16 @@ def family_rules(model: ModelConfig) -> list:
     k, e = model.experts_per_token, model.num_experts
     return [
         ("model.family", model.family in FAMILY_NAMES, f"{model.family!r}: one of {', '.join(FAMILY_NAMES)}"),
-        ("model.num_experts", (e >= 2) if moe else e == 0,
-         f"{e}: model.family=moe needs 2 or more experts" if moe else f"{e}: only model.family=moe has experts"),
-        ("model.experts_per_token", (1 <= k <= e) if moe else k == 0,
-         f"{k} must be in [1, model.num_experts={e}]" if moe else f"{k}: only model.family=moe routes to experts"),
+        (
+            "model.num_experts",
+            (e >= 2) if moe else e == 0,
+            f"{e}: model.family=moe needs 2 or more experts" if moe else f"{e}: only model.family=moe has experts",
+        ),
+        (
+            "model.experts_per_token",
+            (1 <= k <= e) if moe else k == 0,
+            f"{k} must be in [1, model.num_experts={e}]" if moe else f"{k}: only model.family=moe routes to experts",
+        ),
     ]
 
 

@@ -83,7 +83,8 @@ def _styles(names: dict[str, str], module: torch.nn.Module, float8: bool, sp: bo
     def gathered(name: str, kind: str) -> ParallelStyle:  # a region's input, all-gathered from Shard(1)
         if ":" in kind:  # the input passed by keyword
             keyword = kind.split(":", 1)[1]
-            layouts = {"input_kwarg_layouts": {keyword: Shard(1)}, "desired_input_kwarg_layouts": {keyword: Replicate()}}
+            layouts = {"input_kwarg_layouts": {keyword: Shard(1)},
+                       "desired_input_kwarg_layouts": {keyword: Replicate()}}  # fmt: skip
         else:
             layouts = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
         if float8 and any(isinstance(m, Float8Linear) for m in module.get_submodule(name).modules()):

@@ -160,7 +160,11 @@ def weight_copies(
 
 
 def activation_bytes(
-    model: ModelConfig, train: TrainConfig, seq_len: int, recompute: bool = True, head_too: bool = True,
+    model: ModelConfig,
+    train: TrainConfig,
+    seq_len: int,
+    recompute: bool = True,
+    head_too: bool = True,
     sp: bool = False,
 ) -> float:
     """Bytes saved for backward by one micro-batch's forward, per device; with activation
@@ -384,7 +388,10 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
     optimizer = (8 * n + 4 * len(tensors)) / shard
     precision = recipe(train.precision)
     copies = weight_copies(tensors, share.layers, precision, train, sharded)
-    acts = pipeline_activations(model, train, seq_len, share) if pp > 1 else activation_bytes(model, train, seq_len, sp=sp)
+    if pp > 1:
+        acts = pipeline_activations(model, train, seq_len, share)
+    else:
+        acts = activation_bytes(model, train, seq_len, sp=sp)
     if world == 1:  # no DDP buckets: gradients are freed after each step and fill in as backward frees activations
         total = weights + optimizer + copies + max(grads, acts)
     else:

@@ -202,8 +202,8 @@ def forward_loss(job: Job, batch: torch.Tensor, loads: list | None = None, aux: 
     """One micro-batch's loss, to backpropagate: the mean token loss plus the family's own term
     (a mixture of experts' router load-balancing loss), called inside `loss_scope(job.model)`
     (a loss-parallel head's is a replicated DTensor); `loads` collects the tokens each expert
-    took; `aux=False`: the token loss alone (validation). Under pipeline parallelism forward only, through every stage: a collective of the
-    pipeline's ranks."""
+    took; `aux=False`: the token loss alone (validation). Under pipeline parallelism forward
+    only, through every stage: a collective of the pipeline's ranks."""
     if job.pipeline is not None:
         return job.pipeline.loss(batch)
     with job.recipe.autocast(job.device, job.fsdp):

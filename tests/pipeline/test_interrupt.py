@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from components.config import defaults
 from components.store import open_store
 from pipelines.interrupt import descendants
@@ -50,6 +52,7 @@ def _stored(store) -> dict[str, str]:
     return {str(m.ref): m.created for m in store.ls()}
 
 
+@pytest.mark.chaos_slow  # 54 s, a run, SIGINT and its rerun: in `make chaos`
 def test_sigint_to_the_cli_alone_stops_every_process_and_a_rerun_resumes(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **fault_env(slow_rank=0, slow_seconds=0.05)}
     cmd = [sys.executable, "-m", "pipelines.cli", "run", *RUN]

@@ -197,6 +197,7 @@ def test_a_search_space_the_rules_refuse_fails_before_any_trial(in_tmp, capfd):
     assert not list(in_tmp.glob("multirun/*/*/0"))
 
 
+@pytest.mark.chaos_slow  # 62 s, two whole runs: in `make chaos`; the end-to-end run keeps a rerun's reuse
 def test_a_rerun_recomputes_what_the_store_lost_whatever_the_cache_holds(in_tmp, capfd):
     """kfp.local's cache keeps the shard task's output (a ref into the store) across runs; the
     store does not always keep the object. After `artifacts rm` of the dataset's shard with its

@@ -398,4 +398,4 @@ def test_on_a_cpu_the_fp8_gemm_preflight_times_is_the_one_training_runs():
     with Ops() as trained, torch.no_grad():
         model(x)
     assert "aten._scaled_mm" not in gemm.seen and "aten._scaled_mm" not in trained.seen, (gemm.seen, trained.seen)
-    assert gemm.seen == trained.seen and "aten.mm" in gemm.seen, (gemm.seen ^ trained.seen)
+    assert gemm.seen == trained.seen and "aten.mm" in gemm.seen, gemm.seen ^ trained.seen

@@ -19,6 +19,7 @@ from tests.faults import injected
 from tests.helpers import TWO_NODES
 
 
+@pytest.mark.chaos_slow  # 33 s: in `make chaos`; make test's watchdog test trips a hang
 def test_a_rank_stalled_in_an_all_reduce_is_named_with_its_node_and_the_collective(trainer):
     node, spare = f"{socket.gethostname()}-node1", f"{socket.gethostname()}-node2"
     overrides = [

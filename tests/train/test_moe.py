@@ -77,8 +77,19 @@ def test_the_router_aux_loss_is_in_the_gradient_and_a_model_trained_without_it_r
     from components.train.job import forward_loss
 
     def router_grad(coef: float, independent: bool) -> torch.Tensor:
-        cfg = defaults("model", family="moe", num_experts=4, experts_per_token=2, router_aux_loss_coef=coef,
-                       hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=96, vocab_size=128)
+        cfg = defaults(
+            "model",
+            family="moe",
+            num_experts=4,
+            experts_per_token=2,
+            router_aux_loss_coef=coef,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=4,
+            ffn_hidden_size=96,
+            vocab_size=128,
+        )
         model = build_model(cfg, 128, seed=0)
         batch = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
         if independent:
@@ -86,8 +97,9 @@ def test_the_router_aux_loss_is_in_the_gradient_and_a_model_trained_without_it_r
             aux = load_balancing_loss_func(out.router_logits, 4, 2)
             (token_loss(out.logits, batch[:, 1:]) + coef * aux).backward()
         else:
-            job = SimpleNamespace(pipeline=None, recipe=recipe("fp32"), device=torch.device("cpu"), fsdp=False,
-                                  model=model)
+            job = SimpleNamespace(
+                pipeline=None, recipe=recipe("fp32"), device=torch.device("cpu"), fsdp=False, model=model
+            )
             loads: list = []
             forward_loss(job, batch, loads).backward()
             assert loads[0].sum() == 2 * 2 * 4 * 16  # blocks x experts a token x tokens
@@ -99,4 +111,4 @@ def test_the_router_aux_loss_is_in_the_gradient_and_a_model_trained_without_it_r
     fsdp, no_aux, _, _ = moe_runs
     routed = [[s["expert_load"] for s in read_records(run.metrics)[0]] for run in (fsdp, no_aux)]
     assert routed[0][0] == pytest.approx(routed[1][0])  # the first step: the same model, the same data
-    assert max(abs(a - b) for a, b in zip(routed[0][-1], routed[1][-1])) > 1e-3
+    assert max(abs(a - b) for a, b in zip(routed[0][-1], routed[1][-1], strict=True)) > 1e-3

@@ -79,19 +79,18 @@ def test_pp_x_tp_x_fsdp_on_eight_processes_trains_the_losses_and_weights_of_one_
     assert_trains_like(one_process, (run,))
 
 
-@pytest.mark.chaos_slow  # 83 s, four 4-process launches: in `make chaos`; make test keeps TP -> DDP resume
 def test_a_pp_x_tp_checkpoint_resumes_under_fsdp_and_back_with_the_samples_and_weights_of_one_run(trainer):
     """Train PP=2 x TP=2 (2 nodes x 2 processes: a stage a node, its matmuls split over the
-    node's pair; 8 sequences a step) and FSDP=4 (the same 4 processes, 2 sequences each), 20
-    steps each, uninterrupted; then continue each one's step-10 checkpoint in the other layout.
+    node's pair; 8 sequences a step) and FSDP=4 (the same 4 processes, 2 sequences each), 8
+    steps each, uninterrupted; then continue each one's step-4 checkpoint in the other layout.
     Each stage saved its own blocks' tp shards under the full model's names, and DCP reshards
     them into FSDP's dp shards (and FSDP's back into stages and tp shards, each stage loading its
     own optimizer state by parameter name). The blocks read at every global sample position are
-    the uninterrupted runs' (all four PP x TP ranks read each block of theirs); the step-20
+    the uninterrupted runs' (all four PP x TP ranks read each block of theirs); the step-8
     weights equal the uninterrupted run of the first leg's layout within 1e-5 and the losses the
-    second leg's within 1e-5 relative (20 steps apart, the two layouts' reduction orders differ
+    second leg's within 1e-5 relative (8 steps apart, the two layouts' reduction orders differ
     by more than that: see the TP resume test)."""
-    common = [*COMMON, "train.steps=20", "cluster.nodes=2", "cluster.procs_per_node=2"]
+    common = [*COMMON, "train.steps=8", "train.checkpoint_interval=4", "cluster.nodes=2", "cluster.procs_per_node=2"]
     pp_tp, fsdp = ["train.pp=2", "train.tp=2"], ["train.parallelism=fsdp", "train.micro_batch_size=2"]
     dirs = {n: trainer.tmp / f"{n}_rows" for n in ("pp_tp", "fsdp", "to_fsdp", "to_pp_tp")}
     with injected(record_dir=str(dirs["pp_tp"])):
@@ -99,25 +98,25 @@ def test_a_pp_x_tp_checkpoint_resumes_under_fsdp_and_back_with_the_samples_and_w
     other = Trainer(trainer.dataset_store, trainer.tmp / "other")  # a store of its own
     with injected(record_dir=str(dirs["fsdp"])):
         b = other.run(*common, *fsdp)
-    a10, b10 = stored_checkpoints(trainer, a)[10].ref.version, stored_checkpoints(other, b)[10].ref.version
+    a4, b4 = stored_checkpoints(trainer, a)[4].ref.version, stored_checkpoints(other, b)[4].ref.version
     with injected(record_dir=str(dirs["to_fsdp"])):
-        to_fsdp = trainer.run(*common, *fsdp, f"train.resume={a10}")
+        to_fsdp = trainer.run(*common, *fsdp, f"train.resume={a4}")
     with injected(record_dir=str(dirs["to_pp_tp"])):
-        to_pp_tp = other.run(*common, *pp_tp, f"train.resume={b10}")
-    assert to_fsdp.result.start_step == to_pp_tp.result.start_step == 10
+        to_pp_tp = other.run(*common, *pp_tp, f"train.resume={b4}")
+    assert to_fsdp.result.start_step == to_pp_tp.result.start_step == 4
     assert to_fsdp.result.wrapped_modules["pp_stages"] == 0 and to_fsdp.result.wrapped_modules["fsdp"] == 5
     assert to_pp_tp.result.wrapped_modules["pp_stages"] == 1 and to_pp_tp.result.wrapped_modules["tp_params"] == 14
     rows = {n: read_batches(d) for n, d in dirs.items()}
     assert all(len(v) == 4 and len(set(v)) == 1 for n in ("pp_tp", "to_pp_tp") for v in rows[n].values())
-    first = {n: {k: v[:1] for k, v in rows[n].items() if k < 10 * 8} for n in ("pp_tp", "fsdp")}
+    first = {n: {k: v[:1] for k, v in rows[n].items() if k < 4 * 8} for n in ("pp_tp", "fsdp")}
     second = {n: {k: v[:1] for k, v in rows[n].items()} for n in ("to_fsdp", "to_pp_tp")}
-    assert sorted(rows["fsdp"]) == list(range(20 * 8))
+    assert sorted(rows["fsdp"]) == list(range(8 * 8))
     assert {**first["pp_tp"], **second["to_fsdp"]} == {**first["fsdp"], **second["to_pp_tp"]} == rows["fsdp"]
     for resumed, first_leg, second_leg in ((to_fsdp, a, b), (to_pp_tp, b, a)):
         w, x = final_weights(resumed), final_weights(first_leg)
         assert w.keys() == x.keys() and max(float((w[k] - x[k]).abs().max()) for k in w) < 1e-5
         got, want = losses_of(resumed), losses_of(second_leg)
-        assert len(got) == len(want) == 20
+        assert len(got) == len(want) == 8
         assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(got, want, strict=True))
 
 

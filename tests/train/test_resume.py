@@ -129,6 +129,7 @@ def test_resume_never_over_a_damaged_stored_version_republishes_it(trainer):
     assert f"checkpoint/tiny@{healed.ref.version}" in trainer.store.manifest(again.model.ref).parents
 
 
+@pytest.mark.chaos_slow  # 27 s, three runs: in `make chaos`
 def test_a_sweep_job_with_a_shorter_schedule_trains_its_own(trainer):
     """12 steps at lr 1e-3, then the sweep's jobs of 8 steps at lr 1e-3 and 3e-3: each trains its
     own 8 steps from scratch (not the 12-step run's step-8 checkpoint), and a 20-step run seeded

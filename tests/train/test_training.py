@@ -260,6 +260,7 @@ def test_bad_input_fails_before_launch(trainer, overrides, error, match, capfd):
     assert not (trainer.tmp / "runs").exists()
 
 
+@pytest.mark.chaos_slow  # 32 s, two to three runs: in `make chaos`
 def test_a_longer_run_seeded_with_the_shorter_continues_it_on_another_world_size(trainer):
     """`train.resume=<version>` continues another run (here a longer one, on another world size):
     20 steps on 2 ranks, then 30 steps on 1 rank seeded with the 20-step checkpoint continues at
@@ -305,6 +306,7 @@ def test_a_shorter_rerun_trains_its_own_steps_instead_of_handing_back_the_longer
         trainer.run("train.steps=10", f"train.resume={step20}")
 
 
+@pytest.mark.chaos_slow  # 32 s, two to three runs: in `make chaos`
 def test_a_relaunch_after_a_named_seed_keeps_the_seed_when_nothing_was_saved_since(trainer):
     """train.resume=<version of another identity> seeds attempt 0; a relaunch that finds no
     checkpoint of its own yet starts from the seed again, not from scratch."""
