@@ -67,9 +67,37 @@ def _timed(fn, iters: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+GEMM_BATCH_S = 0.02  # each timed batch of GEMMs lasts at least this long
+
+
+def _best(fn, iters: int, device: torch.device) -> float:
+    """Seconds per call of the fastest of `iters` batches, each of as many calls as last
+    GEMM_BATCH_S: a small GEMM (the tiny CPU run's: 128 cubed, ~0.5 ms) timed 3 times in a row
+    read a busy machine's hiccup as the device's speed (it planned a step at 2.9x the run's).
+    Not for collectives: the number of calls is each rank's own."""
+    fn()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    calls = max(1, int(GEMM_BATCH_S / max(time.perf_counter() - t0, 1e-9)))
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
 def gemm_tflops(precision: Recipe, size: int, iters: int, device: torch.device) -> float:
-    """Achieved TFLOP/s of the precision's size x size x size matmul (2·n³ FLOPs)."""
-    return 2 * size**3 / _timed(precision.gemm(size, device), iters, device) / 1e12
+    """Achieved TFLOP/s of the precision's size x size x size matmul (2·n³ FLOPs): the fastest of
+    `iters` batches (`_best`)."""
+    return 2 * size**3 / _best(precision.gemm(size, device), iters, device) / 1e12
 
 
 def memory_bandwidth_gbps(megabytes: int, iters: int, device: torch.device) -> float:
