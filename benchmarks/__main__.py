@@ -16,6 +16,7 @@ BENCHMARKS = [
     "run_checks",
     "checkpoint_async",
     "planner_accuracy",
+    "planner_vs_published",
     "preflight_overhead",
     "pipeline_overhead",
 ]

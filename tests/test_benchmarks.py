@@ -77,3 +77,26 @@ def test_stream_reader_benchmark_runs_small_and_reports_both_ratios():
     assert line["value"] > 0 and line["baseline"] > 0 and line["raw_ratio"] > 0
     assert line["shards"] == line["fetches"] == 4  # every shard came over HTTP once
     assert line["evicted"] >= 1  # the budget held fewer shards than the split has
+
+
+def test_planner_vs_published_plans_every_published_row_and_reports_the_shares():
+    """`python -m benchmarks planner_vs_published`: every row of the data file planned, each with
+    its tokens/s and memory ratios against the publication, the not-expressible tables listed."""
+    data = json.loads((ROOT / "benchmarks" / "published_h100.json").read_text())
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.planner_vs_published"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["rows"] == len(data["rows"]) and 0 <= last["value"] <= 1 and 0 <= last["memory_share"] <= 1
+    assert {f"tps_{r['id']}" for r in data["rows"]} | {f"mem_{r['id']}" for r in data["rows"]} <= set(last)
+    assert sum(ln.startswith("not planned: ") for ln in proc.stdout.splitlines()) == len(data["not_expressible"])
+
+
+def test_liftoff_plan_says_torchtitans_table_1_run_fits_on_the_cards_it_ran_on():
+    """Issue 40, acceptance 2: Llama-3.1-8B, FSDP over one 8 x H100 (96 GB) node, seq 8192, local
+    batch 2, selective checkpointing (torchtitan's Table 1: 77-82 GiB peak) fits."""
+    from pipelines.cli import main
+
+    data = json.loads((ROOT / "benchmarks" / "published_h100.json").read_text())
+    row = next(r for r in data["rows"] if r["id"] == "8b-fsdp8-bf16")
+    assert main(["plan", *data["models"][row["model"]], *data["gpu"], *row["overrides"]]) == 0

@@ -50,6 +50,9 @@ def test_a_mixture_of_experts_trains_under_fsdp_and_ddp_and_exports_a_plain_mixt
     experts = {k for k in final_weights(fsdp) if ".block_sparse_moe.experts." in k}
     (start,) = [e for e in read_records(fsdp.metrics)[1] if e.get("kind") == "start"]  # what training held
     assert len(experts) == 2 * 4 * 3 and sum(p.numel() for p in model.parameters()) == start["params"]
+    # MFU counts the routed experts only: 2 of 4 a token, fewer FLOPs than 6 x the non-embedding params
+    embedding = model.get_input_embeddings().weight.numel()
+    assert start["flops_per_token"] < 6 * (start["params"] - embedding) * 0.8
     ids = torch.tensor([[3, 17, 42, 7]])
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 8) and torch.equal(out[:, :4], ids)
