@@ -66,6 +66,10 @@ def test_a_mixture_of_experts_validates_and_evaluates_with_its_expert_load_plott
     result = run_evaluate(ref, defaults("eval", val_blocks=8, prompts=["In the beginning"], max_new_tokens=4), store)
     assert math.isfinite(result.metrics["val_loss"]) and result.samples[0]["continuation"]
     assert "alt='expert_load'" in result.html
+    from components.train.report import curves_html
+
+    # the run's own curves page (the train component's Kubeflow output): six curves and the experts'
+    assert curves_html(fsdp.metrics).count("data:image/png;base64,") == 7
 
 
 def test_the_router_aux_loss_is_in_the_gradient_and_a_model_trained_without_it_routes_differently(moe_runs):
