@@ -116,13 +116,13 @@ class ModelConfig:
     max_seq_len: int = MISSING
     rope_theta: float = MISSING
     tie_embeddings: bool = MISSING
-    family: str = "llama"  # components/models/FAMILIES: llama | moe
+    family: str = MISSING  # components/models/FAMILIES: llama | moe
     # moe (a Mixtral-style mixture of experts): each block's MLP is num_experts expert MLPs of
     # ffn_hidden_size, each token routed to experts_per_token of them; the router's
     # load-balancing loss is added to the token loss times router_aux_loss_coef
-    num_experts: int = 0
-    experts_per_token: int = 0
-    router_aux_loss_coef: float = 0.0
+    num_experts: int = MISSING
+    experts_per_token: int = MISSING
+    router_aux_loss_coef: float = MISSING
 
     def check(self) -> list[str]:
         return rules.model_rules(self)

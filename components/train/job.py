@@ -122,8 +122,7 @@ def build_job(spec: TrainSpec) -> Job:
     sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, dp, dp_rank, train.seed)
     model = build_model(model_cfg, model_cfg.vocab_size or vocab, train.seed).to(device)
     seq_len = blocks.block_len - 1
-    sized = ModelConfig(**{**dataclasses.asdict(model_cfg), "vocab_size": model_cfg.vocab_size or vocab})
-    n_flops = planned_flops_per_token(sized, seq_len)  # of a mixture of experts, its active parameters
+    n_flops = active_flops(model_cfg, vocab, seq_len)
     precision.apply(model, train, device)
     model = parallelize(model, train, dims, device, precision)  # TP -> AC -> compile -> FSDP/DDP
     fsdp = dims.fsdp  # what `parallelize` sharded
@@ -196,6 +195,12 @@ def build_checkpointer(spec: TrainSpec, train: TrainConfig, store: ArtifactStore
     target = ckpt.StoreTarget(store, model_name, spec.identity, [spec.dataset, *seed])
     block = train.checkpoint_block_kib * 1024
     return ckpt.Checkpointer(checkpoint_root(spec), train.checkpoint_keep, train.checkpoint_async, rank, target, block)
+
+
+def active_flops(model_cfg: ModelConfig, vocab: int, seq_len: int) -> float:
+    """Training FLOPs per token (MFU's numerator): of a mixture of experts, its routed experts only."""
+    sized = ModelConfig(**{**dataclasses.asdict(model_cfg), "vocab_size": model_cfg.vocab_size or vocab})
+    return planned_flops_per_token(sized, seq_len)
 
 
 def forward_loss(job: Job, batch: torch.Tensor, loads: list | None = None, aux: bool = True) -> torch.Tensor:
