@@ -26,6 +26,24 @@ _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 _BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
+def decoder_shape(cfg: ModelConfig, vocab_size: int) -> dict:
+    """The Hugging Face config keys a Llama-style decoder's shape fills (Llama's and Mixtral's alike)."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=cfg.tie_embeddings,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
 class Llama:
     """`ModelSpec` of the Llama decoder (`LlamaForCausalLM`)."""
 
@@ -35,34 +53,22 @@ class Llama:
     probe_norm = "input_layernorm"  # a norm whose weight dtype says what the forward computes in
     buffer_prefix = "model.rotary_emb."  # its only buffers: the rotary frequencies (never saved)
 
+    hf_class = "LlamaForCausalLM"  # what `build` makes, from `transformers`
+
     def hf_config(self, cfg: ModelConfig, vocab_size: int):
         from transformers import LlamaConfig
 
-        return LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.ffn_hidden_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            max_position_embeddings=cfg.max_seq_len,
-            rope_theta=cfg.rope_theta,
-            tie_word_embeddings=cfg.tie_embeddings,
-            use_cache=False,
-            bos_token_id=None,
-            eos_token_id=None,
-            pad_token_id=None,
-        )
+        return LlamaConfig(**decoder_shape(cfg, vocab_size), rope_theta=cfg.rope_theta)
 
     def build(self, cfg: ModelConfig, vocab_size: int, seed: int | None = None) -> nn.Module:
         """A freshly initialized model in fp32 (master weights stay fp32 whatever the compute
         precision), on the current default device (under `torch.device("meta")`: no storage)."""
         import torch
-        from transformers import LlamaForCausalLM
+        import transformers
 
         if seed is not None:
             torch.manual_seed(seed)
-        return LlamaForCausalLM(self.hf_config(cfg, vocab_size)).to(torch.float32)
+        return getattr(transformers, self.hf_class)(self.hf_config(cfg, vocab_size)).to(torch.float32)
 
     def blocks(self, model: nn.Module) -> nn.Module:
         """The transformer blocks: a ModuleList, or a pipeline stage's ModuleDict keyed by index."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from components.config import ModelConfig
-from components.models.llama import Llama
+from components.models.llama import Llama, decoder_shape
 
 if TYPE_CHECKING:
     import torch
@@ -29,36 +29,19 @@ class Moe(Llama):
     family = "moe"
     model_type = "mixtral"
 
+    hf_class = "MixtralForCausalLM"
+
     def hf_config(self, cfg: ModelConfig, vocab_size: int):
         from transformers import MixtralConfig
 
         return MixtralConfig(
-            vocab_size=vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.ffn_hidden_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            max_position_embeddings=cfg.max_seq_len,
+            **decoder_shape(cfg, vocab_size),
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            tie_word_embeddings=cfg.tie_embeddings,
             num_local_experts=cfg.num_experts,
             num_experts_per_tok=cfg.experts_per_token,
             router_aux_loss_coef=cfg.router_aux_loss_coef,
             output_router_logits=True,  # the forward returns the router's logits and its aux loss
-            use_cache=False,
-            bos_token_id=None,
-            eos_token_id=None,
-            pad_token_id=None,
         )
-
-    def build(self, cfg: ModelConfig, vocab_size: int, seed: int | None = None) -> nn.Module:
-        import torch
-        from transformers import MixtralForCausalLM
-
-        if seed is not None:
-            torch.manual_seed(seed)
-        return MixtralForCausalLM(self.hf_config(cfg, vocab_size)).to(torch.float32)
 
     def tp_plan(self, tied: bool):
         raise ValueError("model.family=moe has no tensor-parallel plan (the config rules refuse train.tp > 1)")
