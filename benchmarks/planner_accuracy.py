@@ -25,6 +25,7 @@ stage then holds 1.35x (a one-time cost the plan does not count).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sys
 
@@ -61,7 +62,13 @@ def tp_model(model_cfg: ModelConfig, train: TrainConfig):
     model = build_model(model_cfg, model_cfg.vocab_size, seed=0)
     precision, cpu = recipe(train.precision), torch.device("cpu")
     precision.apply(model, train, cpu)
-    return parallelize(model, train, ParallelDims.of(train, train.tp), cpu, precision)
+    return parallelize(model, train, ParallelDims.of(train, world_of(train)), cpu, precision)
+
+
+def world_of(train: TrainConfig) -> int:
+    """The ranks a measured rank stands among: its tp group, twice over under FSDP (FSDP2 over
+    a data-parallel pair, its mixed-precision policy casting the gathered parameters)."""
+    return train.tp * (2 if train.parallelism == Parallelism.fsdp else 1)
 
 
 def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> int:
@@ -72,14 +79,17 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
     from components.precision import recipe
 
     model = tp_model(model_cfg, train)
-    precision = recipe(train.precision)
+    precision, fsdp = recipe(train.precision), train.parallelism == Parallelism.fsdp
     params = {x.untyped_storage().data_ptr() for p in model.parameters() for x in _plain(p)}
     saved: dict[int, int] = {}
 
     def keep(t: torch.Tensor) -> None:
+        # under FSDP a block's parameters are its gathered (unsharded) copies while it runs: the
+        # plan counts those as weight copies, not activations
+        live = {x.untyped_storage().data_ptr() for p in model.parameters() for x in _plain(p)} if fsdp else params
         for x in _plain(t):
             storage = x.untyped_storage()
-            if storage.data_ptr() not in params:
+            if storage.data_ptr() not in params and storage.data_ptr() not in live:
                 saved[storage.data_ptr()] = storage.nbytes()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -110,7 +120,7 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
             )
     ids = torch.randint(0, model_cfg.vocab_size, (train.micro_batch_size, seq_len + 1))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_scope(model):
-        with precision.autocast(torch.device("cpu"), fsdp=False):
+        with precision.autocast(torch.device("cpu"), fsdp=fsdp):
             logits = model(input_ids=ids[:, :-1]).logits
         loss = token_loss(logits, ids[:, 1:])  # under sequence parallel the loss-parallel one
     for storage in kept:  # {op: {call index: its outputs, each wrapped (`.val`), or a recompute mark}}
@@ -131,8 +141,9 @@ def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> f
 
     sp = sequence_parallel(train, model_cfg.tie_embeddings, cuda=False)  # as `tp_model` builds it here
     tensors, layers = tp_local(param_tensors(model_cfg), train.tp, sp), model_cfg.num_layers
-    copies = weight_copies(tensors, layers, recipe(train.precision), train, sharded=False, recompute=False)
-    return activation_bytes(model_cfg, train, seq_len, recompute=False, sp=sp) + copies
+    fsdp = train.parallelism == Parallelism.fsdp  # its gathered copies are not counted as saved (`measured_bytes`)
+    copies = 0.0 if fsdp else weight_copies(tensors, layers, recipe(train.precision), train, False, recompute=False)
+    return activation_bytes(model_cfg, train, seq_len, recompute=False, sp=sp, fsdp=fsdp) + copies
 
 
 def fake_tp_world(size: int = 2) -> None:
@@ -200,7 +211,7 @@ def pp_rank_peak(schedule: str, out: str) -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
         pipe.step(batch)
     share = next(s for s in pipeline_shares(model_cfg, train) if s.rank == rank)
-    planned = pipeline_activations(model_cfg, train, PP_SEQ, share)
+    planned = pipeline_activations(model_cfg, train, PP_SEQ, share, loss=False)  # saved tensors: no transient
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump({"measured": counter["peak"], "planned": planned}, f)
     dist.destroy_process_group()
@@ -234,43 +245,120 @@ def pp_rows(schedules=("1f1b", "interleaved_1f1b", "gpipe")) -> dict:
 SEQ, MICRO = 512, 2
 
 
-def saved_row(tp: int, precision: str, ac: str) -> dict:
-    """One row, measured in this process (a fresh one per row: each row's model leaves ~1 GB
-    the process does not give back, and 18 rows would not fit in one)."""
+def peak_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> int:
+    """The peak bytes live during one forward + loss + backward of a freshly built model (one tp
+    rank of `train.tp`), less the parameters and their gradients, as torch's own MemTracker
+    (torch.distributed._tools.mem_tracker: every tensor's storage, by a dispatch mode) counts
+    them: what activations, autocast's copies and the loss's transients hold at once."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from components.models import token_loss
+    from components.parallel.tensor import loss_scope
+    from components.precision import recipe
+
+    model = tp_model(model_cfg, train)
+    fsdp = train.parallelism == Parallelism.fsdp
+    ids = torch.randint(0, model_cfg.vocab_size, (train.micro_batch_size, seq_len + 1))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker, loss_scope(model):
+        with recipe(train.precision).autocast(torch.device("cpu"), fsdp=fsdp):
+            logits = model(input_ids=ids[:, :-1]).logits
+        loss = token_loss(logits, ids[:, 1:])
+        del logits  # as the trainer drops its output before backward
+        loss.backward()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    return sum(n for kind, n in peak.items() if getattr(kind, "name", kind) in ("ACT", "TEMP", "OTH"))
+
+
+def planned_peak(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> float:
+    """The planner's activations at their peak (the loss's transient, or a block's recompute)
+    plus, outside FSDP, autocast's weight copies: what `peak_bytes` counts."""
+    from components.model_math import param_tensors
+    from components.parallel import sequence_parallel
+    from components.precision import recipe
+    from components.preflight.plan import activation_bytes, tp_local, weight_copies
+
+    sp = sequence_parallel(train, model_cfg.tie_embeddings, cuda=False)
+    fsdp = train.parallelism == Parallelism.fsdp
+    tensors = tp_local(param_tensors(model_cfg), train.tp, sp)
+    precision, layers = recipe(train.precision), model_cfg.num_layers
+    kept = 0.0 if fsdp else weight_copies(tensors, layers, precision, train, False, recompute=False)
+    extra = 0.0 if fsdp else weight_copies(tensors, layers, precision, train, False) - kept  # a recomputed block's
+    return activation_bytes(model_cfg, train, seq_len, sp=sp, fsdp=fsdp, recompute_extra=extra) + kept
+
+
+def peak_row(tp: int, precision: str, ac: str, parallelism: str) -> dict:
     torch.set_num_threads(2)
-    fake_tp_world()
-    model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
     train = defaults("train", precision=Precision(precision), activation_checkpointing=AC(ac), micro_batch_size=MICRO,
-                     parallelism=Parallelism.ddp, tp=tp)  # fmt: skip
+                     parallelism=Parallelism(parallelism), tp=tp)  # fmt: skip
+    fake_tp_world(world_of(train))
+    model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
+    measured, planned = peak_bytes(model_cfg, train, SEQ), planned_peak(model_cfg, train, SEQ)
+    return {"measured_mb": measured / 1e6, "planned_mb": planned / 1e6, "ratio": measured / planned}
+
+
+PEAK_ROWS = [(1, "fp32", "off", "ddp"), (1, "bf16", "full", "ddp"), (1, "bf16", "off", "fsdp"),
+             (1, "bf16", "selective", "fsdp"), (2, "bf16", "off", "ddp"), (2, "bf16", "full", "fsdp")]  # fmt: skip
+
+
+def saved_row(tp: int, precision: str, ac: str, parallelism: str = "ddp") -> dict:
+    """One row, measured in this process (a fresh one per row: each row's model leaves ~1 GB
+    the process does not give back, and 36 rows would not fit in one)."""
+    torch.set_num_threads(2)
+    train = defaults("train", precision=Precision(precision), activation_checkpointing=AC(ac), micro_batch_size=MICRO,
+                     parallelism=Parallelism(parallelism), tp=tp)  # fmt: skip
+    fake_tp_world(world_of(train))
+    model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
     measured, planned = measured_bytes(model_cfg, train, SEQ), planned_bytes(model_cfg, train, SEQ)
     return {"measured_mb": measured / 1e6, "planned_mb": planned / 1e6, "ratio": measured / planned}
 
 
 def saved_rows() -> dict:
-    """Every precision x checkpointing policy, with tp 1 and 2, each row in its own process."""
+    """Every precision x checkpointing policy, with tp 1 and 2, under DDP's autocast and FSDP's
+    mixed-precision policy, each row in its own process."""
     import subprocess
     from pathlib import Path
 
     rows = {}
-    for tp in (1, 2):
-        for precision in (Precision.fp32, Precision.bf16, Precision.fp8):
-            for ac in AC:
-                cmd = [sys.executable, "-m", "benchmarks.planner_accuracy", "--row", str(tp), precision.value, ac.value]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).parent.parent,
-                                     timeout=600)  # fmt: skip
-                key = f"{'tp2_' if tp > 1 else ''}{precision.value}{'_' + ac.value if ac else ''}"
-                rows[key] = json.loads(out.stdout.strip().splitlines()[-1])
-                print(json.dumps({key: rows[key]}), flush=True)
+    for parallelism, tp, precision, ac in itertools.product(("ddp", "fsdp"), (1, 2), Precision, AC):
+        cmd = [sys.executable, "-m", "benchmarks.planner_accuracy", "--row", str(tp), precision.value, ac.value,
+               parallelism]  # fmt: skip
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                             timeout=600)  # fmt: skip
+        key = f"{'fsdp_' if parallelism == 'fsdp' else ''}{'tp2_' if tp > 1 else ''}{precision.value}"
+        key += f"{'_' + ac.value if ac else ''}"
+        rows[key] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(json.dumps({key: rows[key]}), flush=True)
+    return rows
+
+
+def peak_rows() -> dict:
+    """Peak live bytes (MemTracker) against the plan, a few layouts, each in its own process."""
+    import subprocess
+    from pathlib import Path
+
+    rows = {}
+    for tp, precision, ac, parallelism in PEAK_ROWS:
+        cmd = [sys.executable, "-m", "benchmarks.planner_accuracy", "--peak", str(tp), precision, ac, parallelism]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                             timeout=600)  # fmt: skip
+        key = f"peak_{parallelism}_{'tp2_' if tp > 1 else ''}{precision}_{ac}"
+        rows[key] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(json.dumps({key: rows[key]}), flush=True)
     return rows
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--peak"]:
+        return print(json.dumps(peak_row(int(argv[1]), *argv[2:5])))
     if argv[:1] == ["--pp-rank"]:
         return pp_rank_peak(argv[1], argv[2])
     if argv[:1] == ["--row"]:
-        return print(json.dumps(saved_row(int(argv[1]), argv[2], argv[3])))
+        return print(json.dumps(saved_row(int(argv[1]), *argv[2:5])))
     seq_len, micro = SEQ, MICRO
     rows = saved_rows()
+    rows.update(peak_rows())
     rows.update(pp_rows())
     worst_key = max(rows, key=lambda k: abs(rows[k]["ratio"] - 1))
     worst = rows[worst_key]

@@ -5,9 +5,13 @@ at a commit and its table) expressed as liftoff config overrides: the model's sh
 precision, sequence, local batch, activation checkpointing and compile, on the publication's GPUs.
 The planner plans it from the config alone, as `liftoff plan` does (components/preflight/), and
 each row prints planned / published for tokens/s per GPU and for peak memory per GPU, and
-whether the plan calls a run that completed "does not fit". The summary is the share of rows
-within +-15% for each, and the number of completed runs refused. Rows a layout liftoff cannot
-express (context parallelism) are listed, not planned. Nothing here is fitted to these rows.
+whether the plan calls a run that completed "does not fit". Planned memory is the reserved peak
+(what tensors hold plus `preflight.memory_headroom`), as torchtitan's published peak is torch's
+max reserved. The summary is the share of rows within +-15% for each, and the number of
+completed runs refused. Rows a layout liftoff cannot express (context parallelism) are listed,
+not planned. FITTED on these rows (components/devices.py, components/preflight/plan.py): the
+H100's efficiency per recipe on the three 8b-fsdp8 rows, and the memory headroom (0.1); every
+other figure of every row is predicted.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ BAND = 0.15
 
 def planned_rows(data: dict) -> list[dict]:
     from components.config import compose
-    from components.preflight.plan import fits
+    from components.preflight.plan import fits, reserved_gb
     from components.preflight.plan_config import plan_for
 
     rows = []
@@ -36,13 +40,13 @@ def planned_rows(data: dict) -> list[dict]:
         p, d = plan_for(cfg)
         world = cfg.cluster.nodes * cfg.cluster.procs_per_node
         tps = p.tokens_per_s / world if p.tokens_per_s else float("nan")
-        gib = p.total_gb * 1e9 / 2**30
+        gib = reserved_gb(p, cfg.preflight.memory_headroom) * 1e9 / 2**30  # as torch's max reserved
         rows.append({
             "id": row["id"], "table": row["table"], "source": data["sources"][row["source"]].split(" ")[0],
             "tps_ratio": tps / row["tokens_per_s_per_gpu"], "memory_ratio": gib / row["memory_gib"],
             "planned_tps": tps, "published_tps": row["tokens_per_s_per_gpu"],
             "planned_gib": gib, "published_gib": row["memory_gib"],
-            "fits": fits(p, d.memory_gb, cfg.preflight.memory_safety), "caveat": row.get("caveat", ""),
+            "fits": fits(p, d.memory_gb, cfg.preflight.memory_headroom), "caveat": row.get("caveat", ""),
         })  # fmt: skip
     return rows
 

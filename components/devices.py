@@ -16,14 +16,20 @@ cards 20-40) and across nodes the network's per GPU (one 400 Gb/s NIC per GPU, a
 H100, H200, B200 and MI300X nodes have: 50 GB/s; A100 nodes 200 Gb/s: 25; L40S/PCIe
 servers assumed at 100-200 Gb/s). Preflight measures the real figure (`allreduce_busbw_gbps_*`).
 
-Efficiency: the fraction of the dense bf16 peak a whole training step reached in a public
-benchmark, the bound `liftoff plan` times compute against, so a planned MFU is never above
-what the device has been seen to do. H100 / H200 / GH200 (one Hopper die, the same peak):
-0.47, Megatron-Core's "up to 47% MFU on H100" (NVIDIA/Megatron-LM README; GPT-3 175B at
-TP=4 x PP=8, 390 TFLOP/s per GPU; Meta's Llama 3 405B run reports 38-43% bf16 MFU on 16k
-H100s, "The Llama 3 Herd of Models", table 4). A100: 0.52, Narayanan et al. SC'21 (Megatron
-on 3,072 A100s: 163 TFLOP/s per GPU for a 1T model, 52% of peak, recomputation counted, so a
-generous bound). The others have no figure in these sources: 0.40, labelled an assumption.
+Efficiency: the fraction of the dense bf16 peak the FLOPs of a training step (its
+recomputation counted) run at, per precision recipe (`efficiency_for`), the rate `liftoff plan`
+times compute at; communication is timed apart and only what compute cannot hide is added
+(components/preflight/plan.py). H100 / H200 / GH200 (one Hopper die, the same peak): FITTED on
+torchtitan's Table 1 (benchmarks/published_h100.json, rows 8b-fsdp8-*: Llama 3.1 8B, FSDP over
+one node of 8 H100s, seq 8192, selective checkpointing, where communication is hidden) so that
+the planned step is the published one: bf16 compiled 0.425, bf16 eager 0.368, fp8 tensorwise
+(compiled, fp8 all-gather) 0.544; fp8 rowwise: bf16 compiled x 1.115, torchtitan's own
+side-by-side on 8 H100s (pytorch/torchtitan@7a04053, its message: 5,760 tokens/s bf16 compiled,
+6,424 rowwise fp8, 7,186 tensorwise). A recipe run eager runs at the bf16 eager / compiled ratio
+of its compiled figure (an assumption: torchtitan publishes fp8 compiled only). A100: 0.52 for
+bf16, Narayanan et al. SC'21 (Megatron on 3,072 A100s: 163 TFLOP/s per GPU for a 1T model,
+recomputation counted). The others have no figure in these sources: 0.40, labelled an
+assumption; on them and on the A100 the recipes keep the H100's ratios to bf16 compiled.
 """
 
 from __future__ import annotations
@@ -38,20 +44,32 @@ class Device:
     memory_gb: float
     intra_node_busbw_gbps: float  # assumed all-reduce bus bandwidth per GPU within a node
     inter_node_busbw_gbps: float  # ... and across nodes (the network per GPU)
-    efficiency: float = 0.40  # the fraction of the bf16 peak a training step reaches (see above)
+    efficiency: float = 0.40  # the fraction of the bf16 peak a compiled bf16 step runs at (see above)
     efficiency_source: str = "assumed: no published pretraining MFU for this device in the table's sources"
 
 
-MEGATRON_H100 = "Megatron-Core's best published MFU on H100 (GPT-3 175B, TP=4 x PP=8)"
+TITAN_H100 = "fitted on torchtitan's Table 1, Llama 3.1 8B on 8 H100s (benchmarks/published_h100.json)"
 MEGATRON_A100 = "Megatron on 3,072 A100s (Narayanan et al., SC'21: 52% of peak, a 1T model)"
+
+# each recipe's rate against bf16 compiled's on the same device: FITTED on torchtitan's Table 1
+# (8B on 8 H100s: 5,762 eager, 6,667 compiled bf16 and 8,532 fp8 tensorwise tokens/s per GPU at
+# the same FLOPs), rowwise from pytorch/torchtitan@7a04053 (6,424 against 5,760 bf16 compiled)
+RECIPE_RATIO = {
+    "fp32": 0.5,
+    "bf16": 1.0,
+    "fp8_tensorwise": 1.280,
+    "fp8_rowwise": 1.115,
+    "fp8_rowwise_with_gw_hp": 1.115,
+}
+EAGER_RATIO = 0.866  # eager / compiled, bf16 (Table 1: 5,762 / 6,667 tokens/s); fp32 runs TF32 at about half bf16
 
 
 # First match wins, so the more specific names come first ("GH200" before "H200").
 DEVICES: list[Device] = [
     Device("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}, 80.0, 40.0, 25.0),
-    Device("H100", {"bf16": 989.4, "fp8": 1978.9}, 80.0, 400.0, 50.0, 0.47, MEGATRON_H100),  # SXM
-    Device("GH200", {"bf16": 989.4, "fp8": 1978.9}, 96.0, 400.0, 50.0, 0.47, MEGATRON_H100),
-    Device("H200", {"bf16": 989.4, "fp8": 1978.9}, 141.0, 400.0, 50.0, 0.47, MEGATRON_H100),
+    Device("H100", {"bf16": 989.4, "fp8": 1978.9}, 80.0, 400.0, 50.0, 0.425, TITAN_H100),  # SXM
+    Device("GH200", {"bf16": 989.4, "fp8": 1978.9}, 96.0, 400.0, 50.0, 0.425, TITAN_H100),
+    Device("H200", {"bf16": 989.4, "fp8": 1978.9}, 141.0, 400.0, 50.0, 0.425, TITAN_H100),
     Device("B200", {"bf16": 2250.0, "fp8": 4500.0}, 180.0, 800.0, 50.0),
     Device("A100-SXM4-40GB", {"bf16": 312.0}, 40.0, 230.0, 25.0, 0.52, MEGATRON_A100),
     Device("A100-PCIE-40GB", {"bf16": 312.0}, 40.0, 25.0, 25.0),
@@ -67,6 +85,20 @@ def device(name: str) -> Device | None:
         if d.key.lower() in name.lower():
             return d
     return None
+
+
+def recipe_key(train) -> str:
+    """The efficiency table's key of a train config's precision recipe ("bf16", "fp8_rowwise")."""
+    precision = str(getattr(train.precision, "value", train.precision))
+    if precision != "fp8":
+        return precision
+    return f"fp8_{getattr(train.fp8_recipe, 'value', train.fp8_recipe)}"
+
+
+def efficiency_for(base: float, train, compiled: bool) -> float:
+    """The fraction of the bf16 peak a step of this recipe runs at on a device whose compiled
+    bf16 figure is `base`: the recipe's ratio (RECIPE_RATIO), times EAGER_RATIO uncompiled."""
+    return base * RECIPE_RATIO[recipe_key(train)] * (1.0 if compiled else EAGER_RATIO)
 
 
 def peak_tflops(device_name: str, dtype: str = "bf16") -> float | None:

@@ -116,7 +116,7 @@ def cmd_artifacts(args: list[str]) -> int:
 
 def cmd_plan(args: list[str]) -> int:
     """Memory, FLOPs and step time for a config, no hardware needed; exit 1 when it cannot fit."""
-    from components.preflight.plan import fits
+    from components.preflight.plan import fits, reserved_gb, verdict
     from components.preflight.plan_config import as_overrides, plan_for, suggest, sync_skip
     from components.preflight.plan_format import (
         format_inputs,
@@ -133,16 +133,19 @@ def cmd_plan(args: list[str]) -> int:
     if searching:
         return _plan_search(cfg)
     p, device = plan_for(cfg)
-    source, safety = seq_len_source(overrides, choices), cfg.preflight.memory_safety
+    source, headroom = seq_len_source(overrides, choices), cfg.preflight.memory_headroom
     print(format_inputs(cfg, p, device, source))
     for warning in plan_warnings(cfg, source):
         print(f"warning: {warning}")
     print()
-    print(format_plan(p, device.memory_gb, safety))
+    print(format_plan(p, device.memory_gb, headroom))
     print(eval_line(cfg, p.params, device.memory_gb))
-    budget = device.memory_gb * safety
-    if fits(p, device.memory_gb, safety):
-        print(f"fits: {gib(p.total_gb):.3f} GiB of {gib(budget):.2f} GiB per device")
+    reserved = reserved_gb(p, headroom)
+    if fits(p, device.memory_gb, headroom):
+        print(
+            f"{verdict(p, device.memory_gb, headroom)}: {gib(reserved):.3f} of "
+            f"{gib(device.memory_gb):.2f} GiB per device"
+        )
         if (skip := sync_skip(cfg)) and p.step_time_s and skip[0].step_time_s < p.step_time_s:
             print(
                 f"also fits: train.fsdp_sync_every_microbatch=false ({gib(skip[0].total_gb):.2f} GiB per device, "
@@ -151,10 +154,10 @@ def cmd_plan(args: list[str]) -> int:
         return 0
     changes = suggest(cfg)
     print(f"suggestion: {format_suggestion(cfg, changes)}")
-    hint = f"; fits with {' '.join(as_overrides(changes))}" if changes else "; nothing tried fits"
+    hint = f"; nearest layout that fits: {' '.join(as_overrides(changes))}" if changes else "; nothing tried fits"
     print(
-        f"liftoff plan: does not fit: {gib(p.total_gb):.2f} GiB per device > {gib(device.memory_gb):.2f} GiB x "
-        f"preflight.memory_safety={safety} = {gib(budget):.2f} GiB{hint}",
+        f"liftoff plan: {verdict(p, device.memory_gb, headroom)}: {gib(reserved):.2f} GiB per device (with "
+        f"preflight.memory_headroom={headroom}) > {gib(device.memory_gb):.2f} GiB{hint}",
         file=sys.stderr,
     )
     return 1

@@ -162,7 +162,7 @@ MUTATIONS = [
     Mutation(
         "fsdp: the blocks not sharded one by one (the root only)",
         "components/parallel/apply.py",
-        "            fully_shard(block, **kwargs)\n",
+        "            fully_shard(block, reshard_after_forward=dims.pp == 1, **kwargs)\n",
         "            pass\n",
         ("tests/train/test_training.py::test_fsdp_trains_the_same_weights_as_ddp",),
     ),
@@ -258,7 +258,7 @@ MUTATIONS = [
     Mutation(
         "pp x tp: each stage's Linears not split over its tp ranks",
         "components/parallel/apply.py",
-        '            apply_tp(chunk, mesh["tp"])\n',
+        '            apply_tp(chunk, mesh["tp"], stage_sp)\n',
         "            pass\n",
         ("tests/train/test_pipeline.py::test_pp_x_tp_trains_the_losses_and_weights_of_one_process",),
     ),
@@ -272,8 +272,8 @@ MUTATIONS = [
     Mutation(
         "pp: the step's loss summed over the pipeline micro-batches, not averaged",
         "components/parallel/pipeline.py",
-        "        return torch.stack([loss.detach() for loss in losses]).mean()\n",
-        "        return torch.stack([loss.detach() for loss in losses]).sum()\n",
+        "        return torch.stack([local_loss(loss.detach()) for loss in losses]).mean()\n",
+        "        return torch.stack([local_loss(loss.detach()) for loss in losses]).sum()\n",
         ("tests/train/test_pipeline.py::test_pp_x_tp_trains_the_losses_and_weights_of_one_process",),
     ),
     Mutation(
@@ -345,8 +345,8 @@ MUTATIONS = [
     Mutation(
         "planner: selective's down partial sum planned split over tp, not whole",
         "components/preflight/plan.py",
-        "        kept_bytes = tokens * (4 * h + c * h + saved / tp)",
-        "        kept_bytes = tokens * (4 * h + (c * h + saved) / tp)",
+        "            kept_bytes = tokens * (i * h + c * h + saved / tp)",
+        "            kept_bytes = tokens * (i * h + (c * h + saved) / tp)",
         (
             "tests/preflight/test_plan.py::test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds",
         ),
@@ -760,8 +760,8 @@ MUTATIONS = [
     Mutation(
         "sequence parallel: TP never runs it",
         "components/parallel/apply.py",
-        'sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")',
-        "sp = False",
+        '        sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")',
+        "        sp = False",
         (
             "tests/train/test_training.py::test_tensor_parallel_trains_the_losses_and_weights_of_one_process",
             "tests/preflight/test_plan.py::test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds",
@@ -818,6 +818,59 @@ MUTATIONS = [
         (
             "tests/preflight/test_plan.py::test_the_planner_counts_every_expert_for_memory_and_the_routed_ones_for_flops",
         ),
+    ),
+    Mutation(
+        "pp x tp: no sequence parallel inside pipeline stages",
+        "components/parallel/apply.py",
+        '    stage_sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")\n',
+        "    stage_sp = False\n",
+        ("tests/train/test_pipeline.py::test_pp_x_tp_trains_the_losses_and_weights_of_one_process",),
+    ),
+    Mutation(
+        "pp x fsdp: a stage's blocks resharded after every micro-batch's forward (gathered again each)",
+        "components/parallel/apply.py",
+        "reshard_after_forward=dims.pp == 1",
+        "reshard_after_forward=True",
+        ("tests/train/test_pipeline.py::test_pipeline_schedules_train_the_losses_and_weights_of_one_process",),
+    ),
+    Mutation(
+        "planner: FSDP's mixed-precision residual stream planned fp32, as autocast's",
+        "components/precision/base.py",
+        '        if not fsdp or self.compute_dtype == "float32":\n',
+        "        if True:\n",
+        (
+            "tests/preflight/test_plan.py::test_under_fsdps_mixed_precision_a_rank_saves_and_peaks_at_what_the_plan_says",
+        ),
+    ),
+    Mutation(
+        "planner: the loss's transient gradients not counted at the peak",
+        "components/preflight/plan.py",
+        "    transient = loss_transient(model, train, seq_len, sp) if recompute and head_too else 0.0\n",
+        "    transient = 0.0\n",
+        ("tests/preflight/test_plan.py::test_planned_activations_match_what_autograd_saves",),
+    ),
+    Mutation(
+        "planner: data-parallel communication added to compute, none hidden",
+        "components/preflight/plan.py",
+        "        step = compute + exposed + unhidden(data_parallel, compute, share.layers)\n",
+        "        step = compute + exposed + data_parallel\n",
+        (
+            "tests/preflight/test_plan.py::test_fsdp_on_128_gpus_plans_the_published_few_percent_under_8_not_the_sum_of_its_traffic",
+        ),
+    ),
+    Mutation(
+        "planner: one efficiency for every precision recipe (fp8 planned at bf16's speed)",
+        "components/devices.py",
+        "    return base * RECIPE_RATIO[recipe_key(train)] * (1.0 if compiled else EAGER_RATIO)\n",
+        "    return base\n",
+        ("tests/test_benchmarks.py::test_the_planner_holds_to_torchtitans_published_rows",),
+    ),
+    Mutation(
+        "planner: allocator headroom not counted (the tensors' bytes judged against the whole device)",
+        "components/preflight/plan.py",
+        "    return p.total_gb / (1 - headroom)\n",
+        "    return p.total_gb\n",
+        ("tests/test_benchmarks.py::test_the_planner_holds_to_torchtitans_published_rows",),
     ),
 ]
 

@@ -113,8 +113,8 @@ def test_a_relative_data_path_names_the_directory_it_is_relative_to(workdir):
 def test_a_model_that_cannot_fit(workdir):
     line = one_line(liftoff(workdir, "run", "model=70b", "preflight.device_memory_gb=24"))
     assert re.fullmatch(
-        r"liftoff run: the plan does not fit: [\d.]+ GiB per device > 20\.1 GiB \(this host, "
-        r"preflight\.memory_safety=0\.9\); .*; `liftoff plan` with these overrides says more",
+        r"liftoff run: the plan does not fit by [\d.]+ GiB: [\d.]+ GiB per device \(preflight\.memory_headroom=0\.1\)"
+        r" > 22\.4 GiB \(this host\); .*; `liftoff plan` with these overrides says more",
         line,
     ), line
     assert_nothing_ran(workdir)

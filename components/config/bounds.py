@@ -81,7 +81,7 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "preflight.max_age_min": ">= 0",
     "preflight.floors": ">= 0",
     "preflight.min_healthy_nodes": ">= 1",
-    "preflight.memory_safety": "(0, 1]",
+    "preflight.memory_headroom": "[0, 1)",
     "preflight.device_memory_gb": "> 0",
     "eval.val_blocks": (">= 0", "0 = the whole val split"),
     "eval.batch_size": ">= 1",

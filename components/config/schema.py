@@ -199,7 +199,7 @@ class PreflightConfig:
     floors: dict[str, float] = MISSING  # metric -> absolute minimum, over the device's (device_floors)
     device_floors: bool = MISSING  # cluster.gpu_type's absolute floors (components/devices.py) apply too
     min_healthy_nodes: int | None = MISSING  # None: every node (train's gang needs cluster.nodes)
-    memory_safety: float = MISSING
+    memory_headroom: float = MISSING  # the allocator's share above what tensors hold (plan.reserved_gb)
     device_memory_gb: float | None = MISSING  # None: measured (GPU) or host memory (CPU)
     quarantine: bool = MISSING
     numerics_s: float = MISSING  # seconds of the numerics battery on every device (0: off)

@@ -176,8 +176,10 @@ def _stage_class() -> type:
             import torch
             from transformers.masking_utils import create_causal_mask
 
+            from components.parallel.tensor import sequence_in, sequence_out
+
             with self._autocast():
-                h = self.model.embed_tokens(x) if self.first else x
+                h = self.model.embed_tokens(x) if self.first else sequence_in(self, x)
                 positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
                 rotary = self.model.rotary_emb(h, position_ids=positions)
                 mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
@@ -186,6 +188,6 @@ def _stage_class() -> type:
                     h = block(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
                 if self.last:
                     return self.lm_head(self.model.norm(h))
-                return h
+                return sequence_out(h)
 
     return LlamaStage

@@ -49,6 +49,7 @@ def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: tor
     from components.parallel.pipeline import PipelineRank, build_stages, stages_per_rank
 
     sharded = dims.fsdp
+    stage_sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")
     pp_rank = mesh["pp"].get_local_rank()
     chunks, ids = build_stages(model, pp_rank, dims.pp, train.pp_schedule, lambda: precision.autocast(device, sharded))
     wrapped = []
@@ -56,7 +57,7 @@ def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: tor
         if dims.tp > 1:  # each stage's blocks (and its ends) split over the stage's tp ranks
             from components.parallel.tensor import apply_tp
 
-            apply_tp(chunk, mesh["tp"])
+            apply_tp(chunk, mesh["tp"], stage_sp)
         apply_activation_checkpointing(chunk, train.activation_checkpointing, train.ac_every_n_blocks)
         if train.compile if train.compile is not None else device.type == "cuda":
             apply_compile(chunk)
@@ -79,8 +80,12 @@ def wrap(model: torch.nn.Module, dims: ParallelDims, device: torch.device, preci
         kwargs = {"mesh": mesh[names] if len(names) > 1 else mesh[names[0]]}
         if (policy := precision.fsdp_mp_policy()) is not None:
             kwargs["mp_policy"] = policy
+        # under pipeline parallelism a stage's blocks stay unsharded after forward (torchtitan's
+        # choice): the schedule runs every micro-batch through them, and torch keeps them
+        # unsharded from their first backward to the step's end anyway, so one all-gather a
+        # step instead of one per micro-batch, at the same peak
         for block in transformer_blocks(model).children():  # a ModuleList, or a stage's ModuleDict
-            fully_shard(block, **kwargs)
+            fully_shard(block, reshard_after_forward=dims.pp == 1, **kwargs)
         # the root's parameters (embeddings, final norm, head) are needed again right at the
         # start of backward: keep them unsharded after forward (a pipeline stage's too: the
         # schedule runs many micro-batches through it before its last backward)

@@ -94,8 +94,8 @@ def pipeline_microbatches(train) -> tuple[int, int]:
 
 def sequence_parallel(train, tied: bool, cuda: bool) -> bool:
     """Whether TP runs sequence parallel and a loss-parallel head (`train.sequence_parallel`):
-    only with tp > 1 and no pipeline (a stage hands whole hidden states on), an untied head (a
-    tied one is the embedding, computed whole), and for fp8 only on CUDA (the fp8 casts before
-    SP's all-gathers need fp8 collectives, which gloo has not)."""
+    only with tp > 1, an untied head (a tied one is the embedding, computed whole), and for fp8
+    only on CUDA (the fp8 casts before SP's all-gathers need fp8 collectives, which gloo has
+    not). Under pipeline parallelism a stage hands its tp rank's part of the sequence on."""
     fp8 = str(getattr(train.precision, "value", train.precision)) == "fp8"
-    return bool(train.sequence_parallel) and train.tp > 1 and train.pp == 1 and not tied and (cuda or not fp8)
+    return bool(train.sequence_parallel) and train.tp > 1 and not tied and (cuda or not fp8)

@@ -34,6 +34,7 @@ from components.config import PIPELINE_SCHEDULES
 from components.model_math import stage_layers
 from components.models import spec_of, token_loss
 from components.parallel import pipeline_microbatches
+from components.parallel.tensor import local_loss, loss_scope
 
 SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}  # pipelining's names
 
@@ -124,10 +125,17 @@ class Pipeline:
         args = (inputs,) if self.module.has_first else ()
         target = targets if self.module.has_last else None
         # return_outputs=False: the last stage would keep every micro-batch's logits and join them
-        self.schedule.step(*args, target=target, losses=losses if self.module.has_last else None, return_outputs=False)
+        with self.loss_scope():
+            self.schedule.step(*args, target=target, losses=losses if self.module.has_last else None,
+                               return_outputs=False)  # fmt: skip
         if not losses:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.stack([local_loss(loss.detach()) for loss in losses]).mean()
+
+    def loss_scope(self):
+        """A loss-parallel head's loss (its logits split over the vocabulary) under
+        `loss_parallel()`, forward and backward (components/parallel/tensor.py)."""
+        return loss_scope(self.module.chunks[-1])
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The mean token loss of `batch` through every stage, forward only (no autograd graph
@@ -137,7 +145,9 @@ class Pipeline:
         chunks = dict(zip(self.module.stage_ids, self.module.chunks, strict=True))
         h = inputs
         n = self.module.num_stages
-        with torch.no_grad():
+        mesh = getattr(self.module.chunks[0], "sequence_mesh", None)  # sequence parallel: a tp rank's part
+        length = inputs.shape[1] // mesh.size() if mesh is not None else inputs.shape[1]
+        with torch.no_grad(), self.loss_scope():
             for s in range(n):
                 owner, nxt = s % self.pp, (s + 1) % self.pp
                 if owner == self.pp_rank:
@@ -149,11 +159,11 @@ class Pipeline:
                 elif nxt == self.pp_rank and s < n - 1:
                     code = torch.zeros(1, dtype=torch.int64, device=self.device)
                     dist.recv(code, self.ranks[owner], group=self.group)
-                    shape = (*inputs.shape, self.module.config.hidden_size)
+                    shape = (inputs.shape[0], length, self.module.config.hidden_size)
                     h = torch.empty(shape, dtype=_DTYPES[int(code)], device=self.device)
                     dist.recv(h, self.ranks[owner], group=self.group)
             loss = token_loss(h, targets) if self.module.has_last else torch.zeros((), device=self.device)
-        out = loss.detach().float().reshape(1).clone()
+        out = local_loss(loss.detach()).float().reshape(1).clone()
         dist.broadcast(out, self.ranks[(n - 1) % self.pp], group=self.group)
         return out[0]
 

@@ -6,7 +6,8 @@ features (`ColwiseParallel`: each rank computes its heads, its FFN columns) and 
 features (`RowwiseParallel`: partial sums). Every parameter is a DTensor on the tp mesh (whole
 ones `Replicate`), so the optimizer, the gradient norm and DCP treat them alike. Under pipeline
 parallelism each stage is split the same way over its own tp ranks
-(components/parallel/apply.py): the hidden states between stages are whole, plain tensors.
+(components/parallel/apply.py): the hidden states between stages are plain tensors, whole, or
+under sequence parallel each tp rank's part of the sequence (`sequence_in`, `sequence_out`).
 
 Sequence parallel (`train.sequence_parallel`, torchtitan's default; where it applies:
 `components.parallel.sequence_parallel`): between the tp regions the residual stream and the
@@ -146,6 +147,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sp: bool = False) -> N
     if tied:  # distribute_module gave each its own Parameter: share the embedding's again
         spec.tie_again(model)
     model.loss_parallel = sp
+    model.sequence_mesh = tp_mesh if sp else None  # a pipeline stage's hidden states in and out: Shard(1)
 
 
 def loss_scope(model: torch.nn.Module):
@@ -156,6 +158,20 @@ def loss_scope(model: torch.nn.Module):
 
     held = getattr(model, "module", model)  # under DDP, the model it wraps
     return loss_parallel() if getattr(held, "loss_parallel", False) else contextlib.nullcontext()
+
+
+def sequence_in(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A pipeline stage's incoming hidden states: under sequence parallel this tp rank's part of
+    the sequence (a plain tensor, as the stage before sent it), made the Shard(1) DTensor the
+    blocks take."""
+    mesh = getattr(module, "sequence_mesh", None)
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False) if mesh is not None else x
+
+
+def sequence_out(x: torch.Tensor) -> torch.Tensor:
+    """What a pipeline stage sends on: a sequence-split DTensor's local part (plain tensors cross
+    stages), else the tensor."""
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:

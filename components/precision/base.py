@@ -25,6 +25,14 @@ def fp8_eligible_dims(in_features: int, out_features: int) -> bool:
 # stream's and the two RMSNorms' saved tensors (benchmarks/planner_accuracy.py's counting)
 SP_SPLIT_BYTES_PER_HIDDEN = 16.0
 
+# Under FSDP's mixed-precision policy the gathered parameters are in the compute dtype (the
+# embedding's too), so the residual stream a block saves is too (torchtitan's recipe), where
+# autocast (DDP, one device) keeps it fp32: per hidden unit and token a bf16 block saves this
+# much less (under sequence parallel 6 B of the whole and 4 B of the split part), and its
+# checkpoint keeps its input at the compute dtype (counted under fake FSDP groups of 2, 4 and
+# 8 ranks with tp 1, 2 and 4, benchmarks/planner_accuracy.py's `fsdp_` rows)
+FSDP_MP_BYTES_PER_HIDDEN = 10.0
+
 
 class Recipe:
     name = "fp32"
@@ -45,6 +53,7 @@ class Recipe:
     act_bytes_per_kv = 8.0
     act_bytes_per_ffn = 16.0
     head_bytes_per_hidden = 12.0
+    fsdp_head_bytes_per_hidden = 12.0  # the same under FSDP's mixed-precision policy
 
     def check_model(self, model: ModelConfig) -> None:
         """Pre-launch check on the config alone (no torch model is built)."""
@@ -67,16 +76,29 @@ class Recipe:
     def after_optimizer_step(self, model: torch.nn.Module, train: TrainConfig, fsdp: bool) -> None:
         """Per-step work once the weights changed (fp8: precompute the all-gather scales)."""
 
-    def block_act_bytes(self, tp: int, sp: bool = False) -> tuple[float, float, float, float]:
+    def block_act_bytes(self, tp: int, sp: bool = False, fsdp: bool = False) -> tuple[float, float, float, float]:
         """A block's saved bytes per token: (whole per hidden, split over tp per hidden, per kv
         width, per FFN width), the last two split over tp too. Sequence parallel (`sp`) splits
         the residual stream and the norms' tensors along the sequence: 16 B per hidden unit
-        more are split (counted under tp 2 and 4 fake process groups, fp32 and bf16 alike)."""
+        more are split (counted under tp 2 and 4 fake process groups, fp32 and bf16 alike).
+        Under FSDP (`fsdp`) a mixed-precision residual stream is in the compute dtype."""
         split = self.act_split_bytes_per_hidden
         whole = self.act_bytes_per_hidden - split
         if sp:
             whole, split = whole - SP_SPLIT_BYTES_PER_HIDDEN, split + SP_SPLIT_BYTES_PER_HIDDEN
-        return whole, split, self.act_bytes_per_kv, self.act_bytes_per_ffn
+        return (*self.fsdp_residual(whole, split, sp, fsdp), self.act_bytes_per_kv, self.act_bytes_per_ffn)
+
+    def fsdp_residual(self, whole: float, split: float, sp: bool, fsdp: bool) -> tuple[float, float]:
+        """(whole, split) per hidden less what FSDP's mixed precision saves of the residual stream
+        (split along the sequence under sequence parallel)."""
+        if not fsdp or self.compute_dtype == "float32":
+            return whole, split
+        return (whole - 6.0, split - 4.0) if sp else (whole - FSDP_MP_BYTES_PER_HIDDEN, split)
+
+    def input_bytes(self, fsdp: bool) -> float:
+        """Bytes per hidden unit of a block's input (what a checkpoint keeps): fp32, or the
+        compute dtype under FSDP's mixed-precision policy."""
+        return 2.0 if fsdp and self.compute_dtype != "float32" else 4.0
 
     def copy_bytes(self, linear: bool, fp8_eligible: bool, fsdp: bool, train: TrainConfig) -> float:
         """Bytes per element of the compute copy of one parameter, beside its fp32 master.

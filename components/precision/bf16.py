@@ -23,6 +23,7 @@ class BF16(Recipe):
     act_bytes_per_kv = 4.0
     act_bytes_per_ffn = 8.0
     head_bytes_per_hidden = 10.5
+    fsdp_head_bytes_per_hidden = 8.0
 
     def check_device(self, device: torch.device) -> None:
         import torch

@@ -75,18 +75,22 @@ def _cast_input_to_bf16(module: torch.nn.Module, args: tuple):
 class FP8(BF16):
     name = "fp8"
 
-    def block_act_bytes(self, tp: int, sp: bool = False) -> tuple[float, float, float, float]:
+    def block_act_bytes(self, tp: int, sp: bool = False, fsdp: bool = False) -> tuple[float, float, float, float]:
         """Under TP torchao's Float8Colwise/RowwiseParallel cast each Float8Linear's input to
         fp8 before the module, so what the Linears save is fp8 (1 B): the five whole
         hidden-sized inputs, o_proj's and down_proj's split ones; SDPA's output is saved once
         more at bf16 (counted under a tp=2 fake process group, benchmarks/planner_accuracy.py).
         Under sequence parallel the residual stream and norms split as in bf16 and the gathered
-        inputs are fp8 (2 B whole; counted under tp 2 and 4 fake process groups)."""
+        inputs are fp8 (2 B whole; counted under tp 2 and 4 fake process groups). Under FSDP
+        (`fsdp`) counted under fake FSDP x tp 2 and 4 groups without sequence parallel."""
         if tp == 1:
-            return super().block_act_bytes(tp)
-        if sp:
-            return 2.0, 21.0, self.act_bytes_per_kv, self.act_bytes_per_ffn - 1.0
-        return 21.0, 5.0, self.act_bytes_per_kv, self.act_bytes_per_ffn - 1.0
+            return super().block_act_bytes(tp, fsdp=fsdp)
+        if sp:  # the whole part is the fp8 gathered inputs; under FSDP the split residual stream assumed to
+            # save bf16's 10 B (fp8 runs sequence parallel on CUDA only: never counted on a CPU)
+            whole, split = 2.0, (11.0 if fsdp else 21.0)
+        else:  # the Linears' inputs are fp8 already: FSDP's bf16 residual stream saves 4 B of the whole
+            whole, split = (17.0 if fsdp else 21.0), 5.0
+        return whole, split, self.act_bytes_per_kv, self.act_bytes_per_ffn - 1.0
 
     def check_model(self, model: ModelConfig) -> None:
         if not fp8_eligible_dims(model.hidden_size, model.hidden_size):  # every block Linear has hidden_size

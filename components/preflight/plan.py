@@ -42,7 +42,7 @@ h = hidden, L = layers, a = heads):
 - Step time: compute = (FLOPs per token + the forward recomputed under activation
   checkpointing: 2·N_blocks + 4·L·a·(h/a)·s per checkpointed block's share) x tokens per
   device per step / TFLOP/s (preflight: the measured GEMM rate; `liftoff plan`: the device's
-  dense bf16 peak x its efficiency, the best fraction of peak a public benchmark reached,
+  dense bf16 peak x its efficiency for the precision recipe, `efficiency_for` in
   `components/devices.py`); communication = DDP all-reduce of the fp32
   gradients, 4N bytes: 2(W-1)/W·4N / busbw, or FSDP: all-gather of the compute-dtype
   parameters (G = Σ numel x the recipe's copy bytes: 4N fp32, 2N bf16, ~1N fp8) in forward
@@ -50,8 +50,11 @@ h = hidden, L = layers, a = heads):
   after every micro-batch (R = accum) or only the last (R = 1):
   (W-1)/W·(2·accum·G + R·4N) / busbw (with accum 1 and fp32: 3·(W-1)/W·4N). busbw: preflight's
   measure, or the per-GPU-type assumption in `components/devices.py` (NVLink within a node,
-  the network across nodes). Assumes no overlap of communication and compute (an upper
-  bound on step time). HSDP (`train.dp_replicate` = R): everything FSDP shards is sharded over
+  the network across nodes). FSDP2 gathers the next block during this one's compute and
+  reduces a block's gradients during the next one's backward (DDP its buckets during
+  backward), so only what outlasts compute and one block's share wait (`unhidden`); under
+  pipeline parallelism a stage is gathered once a step. TP's and PP's traffic waits in full.
+  HSDP (`train.dp_replicate` = R): everything FSDP shards is sharded over
   S = W/R ranks only (a shard group: consecutive ranks, one node's GPUs when S = procs per
   node), the FSDP traffic above runs within a group at its bus bandwidth ((S-1)/S instead of
   (W-1)/W, NVLink when the group is one node), and each step the fp32 gradient shard (4N/S)
@@ -62,7 +65,8 @@ h = hidden, L = layers, a = heads):
   that says W means it): a tp rank holds 1/T of the blocks' Linears and of the head and the
   whole embeddings and norms; weights, gradients, Adam state and compute copies follow. What
   attention and the MLP save splits over T, the residual stream, the norms and the gathered
-  logits do not (no sequence parallelism). Compute per device is 1/T of a data-parallel
+  logits do not without sequence parallel (with it they split too, see `activation_bytes`,
+  and the embedding splits by vocabulary). Compute per device is 1/T of a data-parallel
   rank's; communication adds, per micro-batch, 7 all-reduces per block of T·h activations at
   the compute dtype (2 forward, 5 backward: one per colwise Linear's input gradient; 2 more
   per checkpointed block's recompute), the head's logits all-gather and its input-gradient
@@ -100,6 +104,7 @@ from components.model_math import (
 )
 from components.parallel import ParallelDims, pipeline_microbatches, sequence_parallel
 from components.precision import Recipe, recipe
+from components.summaries import gib
 
 GB = 1e9
 
@@ -166,45 +171,66 @@ def activation_bytes(
     recompute: bool = True,
     head_too: bool = True,
     sp: bool = False,
+    fsdp: bool = False,
+    recompute_extra: float = 0.0,
 ) -> float:
     """Bytes saved for backward by one micro-batch's forward, per device; with activation
     checkpointing plus (if `recompute`) one block's activations live during its recompute.
     Under tensor parallelism (`train.tp`) what attention and the MLP save splits with the
     heads and FFN columns; without sequence parallel (`sp`) the residual stream, the norms and
     the head's logits are whole on every rank, with it they split too (along the sequence, the
-    logits along the vocabulary: the loss-parallel head)."""
+    logits along the vocabulary: the loss-parallel head). Under FSDP (`fsdp`) the mixed-precision
+    policy's residual stream and checkpointed inputs are in the compute dtype. At the peak the
+    loss's transient or one block's recompute (with `recompute_extra`, autocast's copies of its
+    weights) is live, whichever is larger."""
     precision = recipe(train.precision)
     h, f, a, L = model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_layers
     kv = h // a * model.num_kv_heads  # the width of k and v
     tokens, tp = seq_len * train.micro_batch_size, train.tp
     sp = sp and tp > 1
-    whole_h, split_h, per_kv, per_ffn = precision.block_act_bytes(tp, sp)
+    whole_h, split_h, per_kv, per_ffn = precision.block_act_bytes(tp, sp, fsdp)
     norms = 8  # the two RMSNorms' fp32 reciprocal RMS per token: split along the sequence under sp
     whole = whole_h * h + (0 if sp else norms)
     f *= model.experts_per_token or 1  # a mixture of experts: each token through that many expert MLPs
     router = 8 * model.num_experts  # its fp32 logits and softmax (a rough count: not held to a measurement)
     heads = split_h * h + per_kv * kv + per_ffn * f + 4 * a + (norms if sp else 0) + router
     block = tokens * (whole + heads / tp)
-    v, head_h = model.vocab_size or 0, precision.head_bytes_per_hidden * h + 36
+    head_per_h = precision.fsdp_head_bytes_per_hidden if fsdp else precision.head_bytes_per_hidden
+    v, head_h = model.vocab_size or 0, head_per_h * h + 36
     if not head_too:
         head = 0.0
     elif sp:  # the fp32 logits and the final norm's tensors split; the head's gathered input whole
-        head = tokens * ((4 * v + 8 * h + 4) / tp + head_h - 8 * h - 4)
+        norm = 6 if fsdp and precision.compute_dtype != "float32" else 8  # its fp32 internals: 8 B, 6 in FSDP's
+        head = tokens * ((4 * v + norm * h + 4) / tp + head_h - norm * h - 4)
     else:
         head = tokens * (4 * v + head_h)
+    # a checkpointed block's recompute comes later than the loss's transient, when it is gone
+    transient = loss_transient(model, train, seq_len, sp) if recompute and head_too else 0.0
     if not train.activation_checkpointing:
-        return L * block + head
-    kept = checkpointed(L, train)  # checkpointed blocks keep their fp32 input
+        return L * block + head + transient
+    kept = checkpointed(L, train)  # checkpointed blocks keep their input (fp32, or bf16 under FSDP's policy)
+    i = precision.input_bytes(fsdp)
     if train.activation_checkpointing == ActivationCheckpointing.selective:  # and the outputs the rule saves
         c = 4 if precision.compute_dtype == "float32" else 2
         saved = c * (h + kv + f + h) + 4 * a  # q, v, gate and attention's output (split), its log-sum-exp
         if sp:  # the input and o's and down's reduce-scattered outputs split; a gathered input whole
-            kept_bytes = tokens * (c * h + (4 * h + 2 * c * h + saved) / tp)
+            kept_bytes = tokens * (c * h + (i * h + 2 * c * h + saved) / tp)
         else:
-            kept_bytes = tokens * (4 * h + c * h + saved / tp)  # the input, down's partial sum (whole)
+            kept_bytes = tokens * (i * h + c * h + saved / tp)  # the input, down's partial sum (whole)
     else:
-        kept_bytes = tokens * 4 * h / (tp if sp else 1)
-    return kept * kept_bytes + (L - kept) * block + head + (block if recompute else 0.0)
+        kept_bytes = tokens * i * h / (tp if sp else 1)
+    return (
+        kept * kept_bytes + (L - kept) * block + head + (max(block + recompute_extra, transient) if recompute else 0.0)
+    )
+
+
+def loss_transient(model: ModelConfig, train: TrainConfig, seq_len: int, sp: bool) -> float:
+    """Bytes the loss holds for a moment beside everything saved: backward of the fp32
+    log-softmax holds its incoming and outgoing gradients (two fp32 tokens x vocabulary tensors;
+    a loss-parallel head's three, split over tp). Counted by torch's MemTracker at the peak
+    (benchmarks/planner_accuracy.py's `peak_` rows)."""
+    tokens, v = seq_len * train.micro_batch_size, model.vocab_size or 0
+    return 12 * tokens * v / train.tp if sp and train.tp > 1 else 8 * tokens * v
 
 
 def checkpointed(layers: int, train: TrainConfig) -> int:
@@ -253,16 +279,28 @@ def pipeline_shares(model: ModelConfig, train: TrainConfig) -> list[PipelineShar
     return shares
 
 
-def pipeline_activations(model: ModelConfig, train: TrainConfig, seq_len: int, share: PipelineShare) -> float:
+def pipeline_activations(
+    model: ModelConfig,
+    train: TrainConfig,
+    seq_len: int,
+    share: PipelineShare,
+    fsdp: bool = False,
+    sp: bool = False,
+    loss: bool = True,
+) -> float:
     """A pipeline rank's saved activations at its peak: its stage-micro-batches in flight,
     each one stage's blocks' worth; the head's on the last rank (once under 1F1B: it runs
     backward right after forward; with every micro-batch under GPipe); plus one block live
-    in its recompute under activation checkpointing."""
+    in its recompute under activation checkpointing or, on the last rank, the loss's transient
+    where larger (`loss`: False for the saved tensors alone). `fsdp`, `sp`: as `activation_bytes`."""
     v = PIPELINE_SCHEDULES[train.pp_schedule]
     mine = ModelConfig(**{**asdict(model), "num_layers": share.layers})
-    blocks = activation_bytes(mine, train, seq_len, recompute=False, head_too=False)
-    recompute = activation_bytes(mine, train, seq_len, head_too=False) - blocks
-    head = activation_bytes(ModelConfig(**{**asdict(model), "num_layers": 0}), train, seq_len, recompute=False)
+    blocks = activation_bytes(mine, train, seq_len, recompute=False, head_too=False, sp=sp, fsdp=fsdp)
+    recompute = activation_bytes(mine, train, seq_len, head_too=False, sp=sp, fsdp=fsdp) - blocks
+    if share.last and loss:  # and the loss's transient, when it outlasts a block's recompute
+        recompute = max(recompute, loss_transient(model, train, seq_len, sp))
+    ends = ModelConfig(**{**asdict(model), "num_layers": 0})
+    head = activation_bytes(ends, train, seq_len, recompute=False, sp=sp, fsdp=fsdp)
     heads = (train.grad_accum_steps if train.pp_schedule == "gpipe" else 1) * head if share.last else 0.0
     return share.in_flight * blocks / v + heads + recompute
 
@@ -298,7 +336,21 @@ def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: T
         return 2 * 4 * n
     gathered = sum(k * precision.copy_bytes(kind in MATMUL_KINDS, fp8, True, train) for kind, k, fp8 in tensors)
     reductions = 1 if syncs_only_the_last(train) else train.grad_accum_steps
-    return 2 * train.grad_accum_steps * gathered + reductions * 4 * n
+    # under pipeline parallelism a stage is gathered once a step (kept unsharded after forward, as
+    # torchtitan does: the schedule runs every micro-batch through it); else forward and backward each
+    gathers = 1 if train.pp > 1 else 2 * train.grad_accum_steps
+    return gathers * gathered + reductions * 4 * n
+
+
+def unhidden(comm_s: float, compute_s: float, layers: int) -> float:
+    """The data-parallel communication compute does not hide: FSDP2 all-gathers the next block
+    while this one computes (forward and backward) and reduce-scatters a block's gradients while
+    the one before it runs backward, DDP all-reduces a bucket while backward goes on; so each
+    block's share waits only where it outlasts the compute beside it, and one block's share
+    (the first all-gather, the last reduce) is never hidden."""
+    if comm_s == 0:
+        return 0.0
+    return max(comm_s - compute_s, 0.0) + comm_s / max(layers, 1)
 
 
 def syncs_only_the_last(train: TrainConfig) -> bool:
@@ -316,7 +368,9 @@ def tp_local(tensors: list[tuple[str, int, bool]], tp: int, sp: bool = False) ->
     return [(kind, n // tp if kind in split else n, fp8) for kind, n, fp8 in tensors]
 
 
-def tp_comm_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, precision: Recipe, sp: bool = False) -> float:
+def tp_comm_bytes(
+    model: ModelConfig, train: TrainConfig, seq_len: int, precision: Recipe, sp: bool = False, share=None
+) -> float:
     """Bytes one tp rank sends per step before the ring's (tp-1)/tp, in all-reduces of 2 x T·h
     each at the compute dtype (an all-gather or a reduce-scatter is half of one). Per
     micro-batch and block: forward two (after o_proj and down_proj), again in a checkpointed
@@ -325,14 +379,21 @@ def tp_comm_bytes(model: ModelConfig, train: TrainConfig, seq_len: int, precisio
     gradient is summed over q, k, v, then reduce-scattered once; gate and up alike). An untied
     head all-gathers its logits (T·V) and all-reduces its input's gradient; under sequence
     parallel the embedding reduce-scatters, the head all-gathers its input and the loss-parallel
-    cross-entropy reduces two floats a token (a tied one is computed whole)."""
+    cross-entropy reduces two floats a token (a tied one is computed whole). fp8 under sequence
+    parallel all-gathers the Float8Linears' inputs in fp8 (torchao's float8 TP styles): the two
+    forward all-gathers of a block (and of its recompute) move 1 B an element. `share`: a
+    pipeline rank's (its blocks, the head on the last), else the whole model."""
     if train.tp == 1:
         return 0.0
     sp = sp and not model.tie_embeddings
     c = 4 if precision.compute_dtype == "float32" else 2
     t, h, v = seq_len * train.micro_batch_size, model.hidden_size, model.vocab_size or 0
-    all_reduces = (4 if sp else 7) * model.num_layers + 2 * checkpointed(model.num_layers, train)
-    if model.tie_embeddings:
+    layers = share.layers if share is not None else model.num_layers
+    ckpt = checkpointed(layers, train)
+    all_reduces = (4 if sp else 7) * layers + 2 * ckpt
+    if sp and precision.name == "fp8":  # an all-gather is half an all-reduce; at 1 B instead of c
+        all_reduces -= (layers + ckpt) * (c - 1) / c
+    if model.tie_embeddings or (share is not None and not share.last):
         head = 0
     elif sp:
         head = 2 * t * h * c + 2 * t * 4
@@ -389,9 +450,11 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
     precision = recipe(train.precision)
     copies = weight_copies(tensors, share.layers, precision, train, sharded)
     if pp > 1:
-        acts = pipeline_activations(model, train, seq_len, share)
-    else:
-        acts = activation_bytes(model, train, seq_len, sp=sp)
+        acts = pipeline_activations(model, train, seq_len, share, sharded, sp)
+    else:  # a recomputed block's copies (autocast's) count only when its recompute is the peak
+        kept = weight_copies(tensors, share.layers, precision, train, sharded, recompute=False)
+        acts = activation_bytes(model, train, seq_len, sp=sp, fsdp=sharded, recompute_extra=copies - kept)
+        copies = kept
     if world == 1:  # no DDP buckets: gradients are freed after each step and fill in as backward frees activations
         total = weights + optimizer + copies + max(grads, acts)
     else:
@@ -406,21 +469,22 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
         micro_stages = train.grad_accum_steps * PIPELINE_SCHEDULES.get(train.pp_schedule, 1)
         bubble = (micro_stages + pp - 1) / micro_stages if pp > 1 else 1.0  # idle while the pipeline fills, drains
         compute = (fpt + recompute) * tokens_per_replica / tp / pp * bubble / (tflops * 1e12)
-        comm = 0.0
+        data_parallel = exposed = 0.0  # FSDP's / DDP's, hidden under compute; the rest waits
         if dp > 1 and busbw_gbps:  # without a bus bandwidth, communication is left out
             group = shard if sharded else dp
-            comm = comm_bytes(tensors, precision, train) * (group - 1) / group / (busbw_gbps * GB)
+            data_parallel = comm_bytes(tensors, precision, train) * (group - 1) / group / (busbw_gbps * GB)
             if replicas > 1:  # HSDP: each step's gradient shard all-reduced across the replicas
                 across = 2 * (replicas - 1) / replicas * 4 * n / shard
-                comm += across / ((replicate_busbw_gbps or busbw_gbps) * GB)
+                data_parallel += across / ((replicate_busbw_gbps or busbw_gbps) * GB)
         if tp > 1 and (tp_busbw_gbps or busbw_gbps):
             tp_bw = (tp_busbw_gbps or busbw_gbps) * GB
-            comm += tp_comm_bytes(model, train, s, precision, sp) * (tp - 1) / tp / tp_bw
+            exposed += tp_comm_bytes(model, train, s, precision, sp, share) * (tp - 1) / tp / tp_bw
         if pp > 1 and (pp_bw := pp_busbw_gbps or replicate_busbw_gbps or busbw_gbps):
             c = 4 if precision.compute_dtype == "float32" else 2
             sends = 2 * micro_stages * b * s * h * c / tp  # activations forward, their gradients backward
-            comm += sends / (pp_bw * GB)
-        step = compute + comm
+            exposed += sends / (pp_bw * GB)
+        comm = data_parallel + exposed
+        step = compute + exposed + unhidden(data_parallel, compute, share.layers)
         tps = tokens_per_replica * dp / step
         utilization = mfu(tps, fpt, peak_tflops, world)  # against a published peak only, never a measured one
     return Plan(
@@ -443,8 +507,23 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
     )
 
 
-def fits(p: Plan, device_memory_gb: float, safety: float) -> bool:
-    return p.total_gb <= device_memory_gb * safety
+def reserved_gb(p: Plan, headroom: float) -> float:
+    """The plan's peak as the caching allocator reserves it: what tensors hold plus
+    `preflight.memory_headroom` (its share of the reservation that holds none: blocks cached
+    between sizes, fragmentation, NCCL and the CUDA context). 0.1 is FITTED: published peaks
+    are torch's max reserved, 1.06-1.22x the planned tensors on the 8 rows the planner models
+    (benchmarks/planner_vs_published.py), mean 1.11."""
+    return p.total_gb / (1 - headroom)
+
+
+def fits(p: Plan, device_memory_gb: float, headroom: float) -> bool:
+    return reserved_gb(p, headroom) <= device_memory_gb
+
+
+def verdict(p: Plan, device_memory_gb: float, headroom: float) -> str:
+    """ "fits with X GiB to spare" or "does not fit by Y GiB", the reserved peak against the device."""
+    spare = gib(device_memory_gb - reserved_gb(p, headroom))
+    return f"fits with {spare:.1f} GiB to spare" if spare >= 0 else f"does not fit by {-spare:.1f} GiB"
 
 
 def host_memory_gb() -> float:

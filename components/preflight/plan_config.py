@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from components.config import ActivationCheckpointing, Parallelism
 from components.config.rules import train_rules
 from components.parallel import ParallelDims
-from components.preflight.plan import Plan, fits, host_memory_gb, plan
+from components.preflight.plan import Plan, fits, host_memory_gb, plan, reserved_gb, verdict
 from components.summaries import gib
 
 
@@ -30,9 +30,10 @@ class PlanDevice:
 def plan_device(cfg) -> PlanDevice:
     """Device memory: `preflight.device_memory_gb`, else the device table by `cluster.gpu_type`,
     else this host's RAM. Peak: `train.peak_tflops`, else the table's dense bf16 peak; compute
-    runs at the table's efficiency of it (an assumed 0.40 for a device not in it). Bus
+    runs at the table's efficiency of it for the recipe (`efficiency_for`: precision, fp8
+    scaling, compiled or eager; an assumed 0.40 for bf16 on a device not in it). Bus
     bandwidth: the table's assumption for one node or for the network across nodes."""
-    from components.devices import Device, busbw_gbps, device
+    from components.devices import Device, busbw_gbps, device, efficiency_for, recipe_key
 
     gpu = cfg.cluster.gpu_type
     spec = device(gpu) if gpu else None
@@ -44,8 +45,12 @@ def plan_device(cfg) -> PlanDevice:
     else:
         memory, memory_source = host_memory_gb(), "this host's RAM (cluster.gpu_type is null)"
     peak, peak_source = published_peak(cfg.train, cfg.cluster)
-    efficiency = spec.efficiency if spec else Device.efficiency
-    efficiency_source = spec.efficiency_source if spec else Device.efficiency_source
+    compiled = cfg.train.compile if cfg.train.compile is not None else bool(gpu)  # None: compiled on GPUs
+    efficiency = efficiency_for(spec.efficiency if spec else Device.efficiency, cfg.train, compiled)
+    efficiency_source = (
+        f"{recipe_key(cfg.train)}{'' if compiled else ', eager'}: "
+        f"{spec.efficiency_source if spec else Device.efficiency_source}"
+    )
     nodes, world = cfg.cluster.nodes, cfg.cluster.nodes * cfg.cluster.procs_per_node
     if world == 1:
         busbw, busbw_source = None, "one device: no communication"
@@ -139,7 +144,7 @@ def _fits_with(cfg, changes: dict) -> bool:
     if train_rules(changed.train, changed.cluster, changed.model):
         return False
     p, d = plan_for(changed)
-    return fits(p, d.memory_gb, cfg.preflight.memory_safety)
+    return fits(p, d.memory_gb, cfg.preflight.memory_headroom)
 
 
 def _candidates(cfg):
@@ -192,7 +197,7 @@ def sync_skip(cfg) -> tuple[Plan, PlanDevice] | None:
     if t.parallelism != Parallelism.fsdp or t.grad_accum_steps == 1 or not t.fsdp_sync_every_microbatch or t.pp > 1:
         return None  # (under pipeline parallelism the schedule decides: it syncs the last only)
     p, d = plan_for(with_changes(cfg, {FSDP_SYNC: False}))
-    return (p, d) if fits(p, d.memory_gb, cfg.preflight.memory_safety) else None
+    return (p, d) if fits(p, d.memory_gb, cfg.preflight.memory_headroom) else None
 
 
 def as_overrides(changes: dict) -> list[str]:
@@ -208,8 +213,8 @@ def plan_refusal(cfg) -> str | None:
     explains it; None when it fits. Checked by `liftoff run` before tokenize and by the cluster
     commands before anything is compiled or sent."""
     p, device = plan_for(cfg)
-    safety = cfg.preflight.memory_safety
-    if fits(p, device.memory_gb, safety):
+    headroom = cfg.preflight.memory_headroom
+    if fits(p, device.memory_gb, headroom):
         return None
     changes = suggest(cfg)
     nearest = (
@@ -218,6 +223,7 @@ def plan_refusal(cfg) -> str | None:
         else f"no layout up to {cfg.cluster.nodes * 16} nodes fits: a smaller model or a shorter data.seq_len"
     )
     return (
-        f"the plan does not fit: {gib(p.total_gb):.1f} GiB per device > {gib(device.memory_gb * safety):.1f} GiB "
-        f"({device.name}, preflight.memory_safety={safety}); {nearest}; `liftoff plan` with these overrides says more"
+        f"the plan {verdict(p, device.memory_gb, headroom)}: {gib(reserved_gb(p, headroom)):.1f} GiB per device "
+        f"(preflight.memory_headroom={headroom}) > {gib(device.memory_gb):.1f} GiB ({device.name}); {nearest}; "
+        "`liftoff plan` with these overrides says more"
     )

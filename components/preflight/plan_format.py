@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from components.parallel import ParallelDims, pipeline_microbatches
-from components.preflight.plan import Plan
+from components.preflight.plan import Plan, reserved_gb, verdict
 from components.preflight.plan_config import PlanDevice, as_overrides, plan_for, with_changes
 from components.summaries import gib
 
@@ -14,7 +14,7 @@ from components.summaries import gib
 NO_PEAK = "none: no published peak for this device (cluster.gpu_type or train.peak_tflops)"
 
 
-def format_plan(p: Plan, device_memory_gb: float, safety: float) -> str:
+def format_plan(p: Plan, device_memory_gb: float, headroom: float) -> str:
     rows = [
         ("parameters", f"{p.params:,}"),
         ("world size", str(p.world)),
@@ -24,13 +24,18 @@ def format_plan(p: Plan, device_memory_gb: float, safety: float) -> str:
         ("precision copies", f"{gib(p.precision_copies_gb):.3f} GiB"),
         ("activations", f"{gib(p.activations_gb):.3f} GiB"),
         ("total per device", f"{gib(p.total_gb):.3f} GiB"),
-        ("budget per device", f"{gib(device_memory_gb * safety):.3f} GiB ({gib(device_memory_gb):.1f} GiB x {safety})"),
+        ("reserved per device", f"{gib(reserved_gb(p, headroom)):.3f} GiB (with memory_headroom {headroom}) of "
+         f"{gib(device_memory_gb):.1f} GiB: {verdict(p, device_memory_gb, headroom)}"),
         ("FLOPs per token", f"{p.flops_per_token:.4g}"
          + (f" (+ {p.recompute_flops_per_token:.4g} recomputed)" if p.recompute_flops_per_token else "")),
     ]  # fmt: skip
     if p.step_time_s is not None:
         rows += [
-            ("step time", f"{p.step_time_s:.4g} s (compute {p.compute_s:.4g} s, comm {p.comm_s:.4g} s, no overlap)"),
+            (
+                "step time",
+                f"{p.step_time_s:.4g} s (compute {p.compute_s:.4g} s, comm {p.comm_s:.4g} s, of it "
+                f"{p.step_time_s - p.compute_s:.4g} s not hidden under compute)",
+            ),
             ("tokens/s", f"{p.tokens_per_s:,.0f}"),
             ("MFU", f"{p.mfu:.1%}" if p.mfu is not None else NO_PEAK),
         ]
@@ -142,10 +147,10 @@ def format_suggestion(cfg, changes: dict | None) -> str:
         )
     changed = with_changes(cfg, changes)
     p, d = plan_for(changed)
-    budget = d.memory_gb * cfg.preflight.memory_safety
+    reserved = reserved_gb(p, cfg.preflight.memory_headroom)
     batch = global_batch(cfg), global_batch(changed)
     batch_note = f", global batch {batch[0]:,} -> {batch[1]:,} sequences" if batch[0] != batch[1] else ""
     return (
-        f"{' '.join(as_overrides(changes))}  ({p.world} devices, {gib(p.total_gb):.2f} of {gib(budget):.2f} GiB"
+        f"{' '.join(as_overrides(changes))}  ({p.world} devices, {gib(reserved):.2f} of {gib(d.memory_gb):.2f} GiB"
         f" per device{batch_note})"
     )

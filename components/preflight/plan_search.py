@@ -107,11 +107,11 @@ def _value(cfg, key: str):
 def search(cfg) -> list[Layout]:
     """The layouts that fit the device, fastest first (by planned step time when the device has a
     peak, else by memory per device)."""
-    safety = cfg.preflight.memory_safety
+    headroom = cfg.preflight.memory_headroom
     fitting = []
     for changes in layouts(cfg):
         p, d = plan_for(with_changes(cfg, changes))
-        if fits(p, d.memory_gb, safety):
+        if fits(p, d.memory_gb, headroom):
             fitting.append(Layout(changes, p))
     return sorted(fitting, key=lambda x: (x.plan.step_time_s or 0.0, x.plan.total_gb))
 

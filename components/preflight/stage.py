@@ -29,7 +29,7 @@ from components.launcher import Launch, replica_store, run_app
 from components.precision import recipe
 from components.preflight import bench, numerics
 from components.preflight.bench import NodeMeasurement
-from components.preflight.plan import Plan, fits, plan
+from components.preflight.plan import Plan, fits, plan, reserved_gb, verdict
 from components.preflight.plan_config import published_peak, tp_group_busbw
 from components.preflight.plan_format import format_plan
 from components.preflight.spec import PreflightSpec
@@ -119,7 +119,7 @@ def summary(result: PreflightResult, cfg: PreflightConfig, precision: Precision)
         )
         for n, v in zip(measured, result.verdicts, strict=True)
     ]
-    budget = result.device_memory_gb * cfg.memory_safety
+    budget = result.device_memory_gb * (1 - cfg.memory_headroom)  # what tensors may hold
     report = str(result.report_path) if result.report_path else None
     return PreflightSummary(rows, dtype, result.plan.total_gb, budget, report, result.reused_min)
 
@@ -151,7 +151,7 @@ def report_markdown(result: PreflightResult, cfg: PreflightConfig, problems: lis
     if result.warnings:
         lines += ["", "## Warnings (not acted on: preflight.outliers=warn)", ""]
         lines += [f"- **{n}**: " + "; ".join(w) for n, w in result.warnings.items()]
-    lines += ["", "## Plan", "", "```", format_plan(result.plan, result.device_memory_gb, cfg.memory_safety), "```"]
+    lines += ["", "## Plan", "", "```", format_plan(result.plan, result.device_memory_gb, cfg.memory_headroom), "```"]
     return "\n".join(lines)
 
 
@@ -378,10 +378,10 @@ def gate_problems(result: PreflightResult, cfg: PreflightConfig) -> list[str]:
             + ": "
             + "; ".join(f"{n}: {', '.join(r)}" for n, r in result.unhealthy.items())
         )
-    if not fits(result.plan, result.device_memory_gb, cfg.memory_safety):
+    if not fits(result.plan, result.device_memory_gb, cfg.memory_headroom):
         problems.append(
-            f"planned memory {gib(result.plan.total_gb):.2f} GiB per device exceeds {gib(result.device_memory_gb):.2f}"
-            f" GiB x preflight.memory_safety={cfg.memory_safety} = "
-            f"{gib(result.device_memory_gb * cfg.memory_safety):.2f} GiB"
+            f"the plan {verdict(result.plan, result.device_memory_gb, cfg.memory_headroom)}: "
+            f"{gib(reserved_gb(result.plan, cfg.memory_headroom)):.2f} GiB per device (preflight.memory_headroom="
+            f"{cfg.memory_headroom}) > {gib(result.device_memory_gb):.2f} GiB"
         )
     return problems

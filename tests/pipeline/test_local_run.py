@@ -277,8 +277,8 @@ def test_a_model_that_cannot_fit_is_refused_before_any_task_runs(in_tmp, overrid
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     line = proc.stderr.strip()
     assert re.fullmatch(
-        r"liftoff run: the plan does not fit: [\d.]+ GiB per device > 20\.1 GiB \(this host, "
-        rf"preflight\.memory_safety=0\.9\); {nearest}; `liftoff plan` with these overrides says more",
+        r"liftoff run: the plan does not fit by [\d.]+ GiB: [\d.]+ GiB per device \(preflight\.memory_headroom=0\.1\)"
+        rf" > 22\.4 GiB \(this host\); {nearest}; `liftoff plan` with these overrides says more",
         line,
     ), line
     assert not (in_tmp / "local_outputs").exists() and not (in_tmp / "artifacts").exists()

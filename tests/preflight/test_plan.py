@@ -101,8 +101,10 @@ def test_planned_activations_match_what_autograd_saves(precision, ac):
     """The plan against an independent count: bytes of every tensor autograd saves for backward
     in a real forward (saved_tensors_hooks), at another shape than the coefficients came from,
     with fewer kv heads than heads (k and v narrower than h: without the kv term the plan
-    overshoots, 0.94-0.97 here)."""
-    from benchmarks.planner_accuracy import measured_bytes, planned_bytes
+    overshoots, 0.94-0.97 here). And the peak: every byte live at once during forward, loss and
+    backward (torch's MemTracker), the loss's transient gradients included (issue 40: without
+    them the plan is 0.7x of it here)."""
+    from benchmarks.planner_accuracy import measured_bytes, peak_bytes, planned_bytes, planned_peak
 
     model = defaults(
         "model", vocab_size=2048, hidden_size=128, num_layers=3, num_heads=8, num_kv_heads=2, ffn_hidden_size=320
@@ -110,6 +112,8 @@ def test_planned_activations_match_what_autograd_saves(precision, ac):
     train = defaults("train", precision=precision, activation_checkpointing=ac, micro_batch_size=4)
     ratio = measured_bytes(model, train, seq_len=48) / planned_bytes(model, train, seq_len=48)
     assert 0.98 <= ratio <= 1.02, ratio
+    peak = peak_bytes(model, train, seq_len=48) / planned_peak(model, train, seq_len=48)
+    assert 0.98 <= peak <= 1.02, peak
     full = plan(model, defaults("train", precision=precision, activation_checkpointing=AC.off), 1, 48)
     checkpointed = plan(model, defaults("train", precision=precision, activation_checkpointing=ac), 1, 48)
     assert checkpointed.activations_gb < full.activations_gb or ac == AC.off
@@ -121,16 +125,37 @@ def test_step_time_from_measured_throughput():
     tokens_per_device = 8 * 64
     assert p.compute_s == pytest.approx(p.flops_per_token * tokens_per_device / 1e12)
     assert p.comm_s == pytest.approx(4 * p.params * 2 * (2 - 1) / 2 / 10e9)
-    assert p.tokens_per_s == pytest.approx(tokens_per_device * 2 / (p.compute_s + p.comm_s))
+    # DDP all-reduces buckets while backward goes on: what compute hides does not wait
+    assert p.compute_s < p.step_time_s < p.compute_s + p.comm_s
+    assert p.tokens_per_s == pytest.approx(tokens_per_device * 2 / p.step_time_s)
+
+
+def test_fsdp_on_128_gpus_plans_the_published_few_percent_under_8_not_the_sum_of_its_traffic():
+    """Issue 40, point 2: torchtitan's 8B under FSDP runs 5,762 tokens/s per GPU on 8 H100s and
+    5,605 on 128 (Tables 1 and 3: -3%), though 128 GPUs move their all-gathers and
+    reduce-scatters over the network at 1/8 of NVLink's bandwidth: FSDP2 prefetches the next
+    block's all-gather under this block's compute. Without overlap the plan was 31% slower."""
+    from benchmarks.planner_vs_published import DATA
+
+    data = json.loads(DATA.read_text())
+    rows = {r["id"]: r for r in data["rows"]}
+    plans = {}
+    for key in ("8b-fsdp8-bf16", "8b-fsdp128-bf16"):
+        row = rows[key]
+        p, _ = plan_for(_cfg(*data["models"][row["model"]], *data["gpu"], *row["overrides"]))
+        plans[key] = p.tokens_per_s / p.world, p.comm_s / p.compute_s
+    assert plans["8b-fsdp128-bf16"][1] > 0.4  # its traffic: almost half the compute's time
+    plans = {key: tps for key, (tps, _) in plans.items()}
+    assert 0.95 < plans["8b-fsdp128-bf16"] / plans["8b-fsdp8-bf16"] < 1.0, plans
 
 
 def test_70b_on_one_80gb_device_does_not_fit(capsys):
     cfg = OmegaConf.to_object(compose(["model=70b"]))
     p = plan(cfg.model, cfg.train, world=1, seq_len=4096)
-    assert not fits(p, 80, 0.9) and p.total_gb > 1000
+    assert not fits(p, 80, 0.1) and p.total_gb > 1000
     assert main(["plan", "model=70b", "preflight.device_memory_gb=80"]) == 1
     out = capsys.readouterr()
-    assert "does not fit" in out.err and "67.06 GiB" in out.err and "total per device" in out.out
+    assert "does not fit by" in out.err and "> 74.51 GiB" in out.err and "total per device" in out.out
 
 
 def test_plan_command_passes_for_the_tiny_model(capsys):
@@ -166,7 +191,9 @@ def test_gpu_type_gives_device_memory_from_the_table_and_says_so(capsys):
     assert main(["plan", "cluster=kubernetes", "cluster.gpu_type=H200"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^device memory\s+131.3 GiB: cluster.gpu_type=H200", out, re.M)
-    assert "118.185 GiB (131.3 GiB x 0.9)" in out and re.search(r"^peak\s+989.4 TFLOP/s", out, re.M)
+    assert re.search(
+        r"^reserved per device .* \(with memory_headroom 0\.1\) of 131\.3 GiB: fits with", out, re.M
+    ) and re.search(r"^peak\s+989.4 TFLOP/s", out, re.M)
     assert "cluster.procs_per_node=8 uses them all" in out  # the tiny experiment's 1 process per 8-GPU node
     _, device = plan_for(_cfg("cluster=kubernetes", "cluster.gpu_type=B200"))
     assert device.memory_gb == 180
@@ -199,13 +226,13 @@ def test_the_suggestion_fits_when_applied_and_needs_each_change(capsys, override
     captured = capsys.readouterr()
     [line] = [ln for ln in captured.out.splitlines() if ln.startswith("suggestion: ")]
     suggested = line.removeprefix("suggestion: ").split("  ")[0].split()
-    assert captured.err.count("\n") == 1 and f"fits with {' '.join(suggested)}" in captured.err
+    assert captured.err.count("\n") == 1 and f"nearest layout that fits: {' '.join(suggested)}" in captured.err
     p, device = plan_for(_cfg(*overrides, *suggested))
-    assert fits(p, device.memory_gb, 0.9)
+    assert fits(p, device.memory_gb, 0.1)
     for dropped in suggested:
         if not dropped.startswith("cluster.nodes="):
             p, device = plan_for(_cfg(*overrides, *(s for s in suggested if s != dropped)))
-            assert not fits(p, device.memory_gb, 0.9), f"{dropped} is not needed"
+            assert not fits(p, device.memory_gb, 0.1), f"{dropped} is not needed"
 
 
 def test_nothing_fits_says_so(capsys):
@@ -230,7 +257,7 @@ def test_128_way_fsdp_spends_time_communicating():
     # only model FLOPs, nothing recomputed, nothing communicated: MFU is the device's efficiency bound
     alone, _ = plan_for(_cfg("cluster=kubernetes", "cluster.nodes=1", "cluster.procs_per_node=1",
                              "train.activation_checkpointing=off"))  # fmt: skip
-    assert alone.comm_s == 0 and alone.mfu == pytest.approx(device.efficiency) and device.efficiency == 0.47
+    assert alone.comm_s == 0 and alone.mfu == pytest.approx(device.efficiency) and 0.4 < device.efficiency < 0.6
 
 
 def test_fsdp_all_gathers_at_the_compute_dtype():
@@ -267,7 +294,7 @@ def test_the_plan_says_when_skipping_the_sync_between_micro_batches_also_fits(ca
     assert main(["plan", *small]) == 0
     [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("also fits:")]
     skip, d = plan_for(_cfg(*small, "train.fsdp_sync_every_microbatch=false"))
-    assert fits(skip, d.memory_gb, 0.9) and f"{skip.total_gb * 1e9 / 2**30:.2f} GiB per device" in line
+    assert fits(skip, d.memory_gb, 0.1) and f"{skip.total_gb * 1e9 / 2**30:.2f} GiB per device" in line
 
 
 SEARCH_70B = ["model=70b", "cluster=kubernetes", "cluster.nodes=4", "cluster.procs_per_node=8", "data.seq_len=4096",
@@ -287,7 +314,7 @@ def test_plan_search_ranks_the_layouts_that_fit_by_step_time_and_keeps_the_globa
     for r in rows:  # each listed layout composes, fits, keeps the global batch of 512, plans that step time
         overrides = [] if r[5] == "(as configured)" else r[5].split()
         p, d = plan_for(cfg := _cfg(*SEARCH_70B, *overrides))
-        assert fits(p, d.memory_gb, 0.9) and f"{p.step_time_s:.3g}" == r[2]
+        assert fits(p, d.memory_gb, 0.1) and f"{p.step_time_s:.3g}" == r[2]
         assert global_batch(cfg) == 16 * 32
     listed = [_cfg(*SEARCH_70B, *r[5].split()).train for r in rows if r[5] != "(as configured)"]
     assert {t.tp for t in listed} >= {2, 4, 8}  # with sequence parallel TP layouts lead (1 ranks below)
@@ -295,7 +322,7 @@ def test_plan_search_ranks_the_layouts_that_fit_by_step_time_and_keeps_the_globa
     # planned MFU never passes the device's published bound, in any layout, fitting or not
     for changes in layouts(base):
         p, d = plan_for(with_changes(base, changes))
-        assert p.mfu <= d.efficiency == 0.47
+        assert p.mfu <= d.efficiency  # the recipe's rate, fitted on published runs
 
 
 def test_plan_search_from_a_pipeline_config_lists_layouts_that_compose_at_its_global_batch(capsys):
@@ -383,6 +410,45 @@ for precision in ("fp32", "bf16", "fp8"):
                                      plan(model, whole, world=2, seq_len=48, cuda=False).weights_gb * 1e9]
 print(json.dumps(out))
 """
+
+
+FSDP_RANK = """
+import json, sys
+from benchmarks.planner_accuracy import fake_tp_world, measured_bytes, peak_bytes, planned_bytes, planned_peak
+from components.config import defaults
+tp = int(sys.argv[1])
+fake_tp_world(2 * tp)
+model = defaults("model", vocab_size=2048, hidden_size=128, num_layers=3, num_heads=8, num_kv_heads=4,
+                 ffn_hidden_size=320)
+out = {}
+for precision in ("bf16", "fp8") if tp > 1 else ("bf16",):
+    for ac in ("off", "selective", "full"):
+        train = defaults("train", precision=precision, micro_batch_size=4, tp=tp, parallelism="fsdp",
+                         activation_checkpointing=ac)
+        out[f"{precision}_{ac}"] = [measured_bytes(model, train, 48) / planned_bytes(model, train, 48),
+                                    peak_bytes(model, train, 48) / planned_peak(model, train, 48)]
+        out[f"{precision}_{ac}_ddp_plan"] = planned_bytes(model, train.__class__(**{**train.__dict__,
+                                                          "parallelism": "ddp"}), 48) / planned_bytes(model, train, 48)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_under_fsdps_mixed_precision_a_rank_saves_and_peaks_at_what_the_plan_says(tp):
+    """Issue 40, point 1: under FSDP2's mixed-precision policy the residual stream and a
+    checkpoint's block input are bf16 (torchtitan's recipe), where autocast keeps them fp32; one
+    rank of a fake FSDP pair (and of FSDP x tp 2, sequence parallel for bf16; fp8 on a CPU runs
+    none), built by the trainer's own code: what autograd saves within 2% of the plan, and the
+    peak of every live byte (torch's MemTracker, the loss's transient included) too. The plan
+    under FSDP is 0.7-0.9x the autocast plan of the same rank: it counts the bf16 stream."""
+    run = subprocess.run([sys.executable, "-c", FSDP_RANK, str(tp)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    for key, value in rows.items():
+        if key.endswith("_ddp_plan"):
+            assert value > 1.05, (key, value)  # the autocast plan counts the fp32 stream: more
+        else:
+            assert all(0.98 <= r <= 1.02 for r in value), (key, value)
 
 
 def test_a_tensor_parallel_ranks_planned_weights_and_activations_are_what_a_live_rank_holds():

@@ -26,7 +26,9 @@ def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer,
     through the stages) and PP=2 x FSDP=2 (2 nodes x 2 processes, 2 x 2 each): the global batch
     of one process with 8. fp32, 10 steps: losses within 1e-4 relative and exported weights
     within 1e-4 of the one process. Rank 0's live module holds only its stages' parameters:
-    the embeddings and blocks 0-1 (1F1B), blocks 0 and 2 (interleaved)."""
+    the embeddings and blocks 0-1 (1F1B), blocks 0 and 2 (interleaved); under FSDP a stage's
+    blocks keep their gathered parameters after forward (torchtitan's choice: the schedule runs
+    every micro-batch through them)."""
     common = [*COMMON, "train.steps=10"]
     one = one_process  # tests/conftest.py: trained once for the layout tests
     pp = trainer.run(*common, *TWO_NODES, "train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2")
@@ -47,6 +49,7 @@ def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer,
     assert held[1]["pp_stages"] == 1 and held[1]["params_held"] == 1 + 2 * BLOCK_PARAMS  # embeddings, 2 blocks
     assert held[2]["pp_stages"] == 2 and held[2]["params_held"] == 1 + 2 * BLOCK_PARAMS
     assert held[3]["pp_stages"] == 1 and held[3]["fsdp"] == 3  # its 2 blocks and the stage
+    assert held[3]["fsdp_reshard_after_forward"] == 0  # a stage's blocks stay gathered: one all-gather a step
     assert gpipe.result.wrapped_modules["pp_stages"] == 1
     assert_trains_like(one, (pp, inter, gpipe, pp_dp))
 
@@ -54,15 +57,18 @@ def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer,
 def test_pp_x_tp_trains_the_losses_and_weights_of_one_process(trainer, one_process):
     """PP=2 x TP=2 on 2 nodes x 2 processes (`liftoff config train.tp=2 train.pp=2 ...` as it
     composes: 8 sequences a step, split into 2 pipeline micro-batches of 4): each node is a
-    stage, its two processes split the stage's blocks' matmuls. fp32, 10 steps: losses within
+    stage, its two processes split the stage's blocks' matmuls and, under sequence parallel
+    (the default), the sequence between them: a stage sends each tp rank's half of it on, and
+    the last stage's loss-parallel head never gathers its logits. fp32, 10 steps: losses within
     1e-4 relative and weights within 1e-4 of the one process. Rank 0's live module holds the
-    embeddings and blocks 0-1 only, its 14 block projections DTensors split over tp."""
+    embeddings and blocks 0-1 only, its 14 block projections and the embedding (split by
+    vocabulary: sequence parallel) DTensors split over tp, the norms replicated."""
     pp_tp = trainer.run(*COMMON, "train.steps=10", "cluster.nodes=2", "cluster.procs_per_node=2", "train.pp=2",
                         "train.tp=2")  # fmt: skip
     held = pp_tp.result.wrapped_modules
     assert held["pp_stages"] == 1 and held["params_held"] == 1 + 2 * BLOCK_PARAMS
-    assert held["tp_params"] == 7 * 2 and held["fsdp"] == 0 and held["ddp"] == 0
-    assert held["tp_replicated_params"] == 1 + 2 * 2  # the stage's embeddings and its blocks' norms, on the tp mesh
+    assert held["tp_params"] == 7 * 2 + 1 and held["fsdp"] == 0 and held["ddp"] == 0
+    assert held["tp_replicated_params"] == 2 * 2  # its blocks' norms, on the tp mesh (sequence parallel)
     assert_trains_like(one_process, (pp_tp,))
 
 
@@ -75,7 +81,7 @@ def test_pp_x_tp_x_fsdp_on_eight_processes_trains_the_losses_and_weights_of_one_
     run = trainer.run(*COMMON, "train.steps=10", "cluster.nodes=2", "cluster.procs_per_node=4", "train.pp=2",
                       "train.tp=2", "train.parallelism=fsdp", "train.micro_batch_size=4")  # fmt: skip
     held = run.result.wrapped_modules
-    assert held["pp_stages"] == 1 and held["tp_params"] == 7 * 2 and held["fsdp"] == 3
+    assert held["pp_stages"] == 1 and held["tp_params"] == 7 * 2 + 1 and held["fsdp"] == 3
     assert_trains_like(one_process, (run,))
 
 
@@ -105,7 +111,9 @@ def test_a_pp_x_tp_checkpoint_resumes_under_fsdp_and_back_with_the_samples_and_w
         to_pp_tp = other.run(*common, *pp_tp, f"train.resume={b4}")
     assert to_fsdp.result.start_step == to_pp_tp.result.start_step == 4
     assert to_fsdp.result.wrapped_modules["pp_stages"] == 0 and to_fsdp.result.wrapped_modules["fsdp"] == 5
-    assert to_pp_tp.result.wrapped_modules["pp_stages"] == 1 and to_pp_tp.result.wrapped_modules["tp_params"] == 14
+    assert (
+        to_pp_tp.result.wrapped_modules["pp_stages"] == 1 and to_pp_tp.result.wrapped_modules["tp_params"] == 15
+    )  # the embedding too: sequence parallel
     rows = {n: read_batches(d) for n, d in dirs.items()}
     assert all(len(v) == 4 and len(set(v)) == 1 for n in ("pp_tp", "to_pp_tp") for v in rows[n].values())
     first = {n: {k: v[:1] for k, v in rows[n].items() if k < 4 * 8} for n in ("pp_tp", "fsdp")}

@@ -411,6 +411,7 @@ def test_fsdp_trains_the_same_weights_as_ddp(trainer):
     ddp = trainer.run(*common, "train.parallelism=ddp", "train.checkpoint_interval=10")
     fsdp = Trainer(trainer.dataset_store, trainer.tmp / "fsdp").run(*common, "train.parallelism=fsdp")
     assert fsdp.result.wrapped_modules["fsdp"] == 3 and ddp.result.wrapped_modules["fsdp"] == 0
+    assert fsdp.result.wrapped_modules["fsdp_reshard_after_forward"] == 2  # the blocks; the root keeps its own
     a, b = final_weights(ddp), final_weights(fsdp)
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
