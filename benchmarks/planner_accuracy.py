@@ -122,7 +122,7 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_scope(model):
         with precision.autocast(torch.device("cpu"), fsdp=fsdp):
             logits = model(input_ids=ids[:, :-1]).logits
-        loss = token_loss(logits, ids[:, 1:])  # under sequence parallel the loss-parallel one
+        loss = token_loss(logits, ids[:, 1:], train.loss_chunk_tokens)  # under sequence parallel the loss-parallel one
     for storage in kept:  # {op: {call index: its outputs, each wrapped (`.val`), or a recompute mark}}
         for calls in storage.values():
             for outputs in calls.values():
@@ -245,7 +245,7 @@ def pp_rows(schedules=("1f1b", "interleaved_1f1b", "gpipe")) -> dict:
 SEQ, MICRO = 512, 2
 
 
-def peak_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> int:
+def peak_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int, grads: bool = False) -> int:
     """The peak bytes live during one forward + loss + backward of a freshly built model (one tp
     rank of `train.tp`), less the parameters and their gradients, as torch's own MemTracker
     (torch.distributed._tools.mem_tracker: every tensor's storage, by a dispatch mode) counts
@@ -264,11 +264,23 @@ def peak_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> int:
     with tracker, loss_scope(model):
         with recipe(train.precision).autocast(torch.device("cpu"), fsdp=fsdp):
             logits = model(input_ids=ids[:, :-1]).logits
-        loss = token_loss(logits, ids[:, 1:])
+        loss = token_loss(logits, ids[:, 1:], train.loss_chunk_tokens)
         del logits  # as the trainer drops its output before backward
         loss.backward()
     (peak,) = tracker.get_tracker_snapshot("peak").values()
-    return sum(n for kind, n in peak.items() if getattr(kind, "name", kind) in ("ACT", "TEMP", "OTH"))
+    kinds = ("ACT", "TEMP", "OTH", "GRAD") if grads else ("ACT", "TEMP", "OTH")
+    return sum(n for kind, n in peak.items() if getattr(kind, "name", kind) in kinds)
+
+
+def step_peak(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> tuple[int, float]:
+    """(measured, planned) bytes at one process's peak beside its weights: activations, the
+    loss's transients and the gradients filled in by then (`peak_bytes` with grads), against
+    the plan's total less its weights and AdamW state (one process: the larger of the
+    gradients and the activations, which backward frees as the gradients fill in)."""
+    from components.preflight.plan import plan
+
+    p = plan(model_cfg, train, 1, seq_len, cuda=False)
+    return peak_bytes(model_cfg, train, seq_len, grads=True), (p.total_gb - p.weights_gb - p.optimizer_gb) * 1e9
 
 
 def planned_peak(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> float:
@@ -289,17 +301,31 @@ def planned_peak(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> fl
 
 
 def peak_row(tp: int, precision: str, ac: str, parallelism: str) -> dict:
+    """One layout's activations at their peak against the plan, the loss whole (the peak is its
+    transient, before any gradient exists)."""
     torch.set_num_threads(2)
     train = defaults("train", precision=Precision(precision), activation_checkpointing=AC(ac), micro_batch_size=MICRO,
-                     parallelism=Parallelism(parallelism), tp=tp)  # fmt: skip
+                     parallelism=Parallelism(parallelism), tp=tp, loss_chunk_tokens=0)  # fmt: skip
     fake_tp_world(world_of(train))
     model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
     measured, planned = peak_bytes(model_cfg, train, SEQ), planned_peak(model_cfg, train, SEQ)
     return {"measured_mb": measured / 1e6, "planned_mb": planned / 1e6, "ratio": measured / planned}
 
 
+def step_row(precision: str, ac: str, chunk: str) -> dict:
+    """One process's whole step (`step_peak`), the loss in chunks of `chunk` tokens (0: whole)."""
+    torch.set_num_threads(2)
+    train = defaults("train", precision=Precision(precision), activation_checkpointing=AC(ac), micro_batch_size=MICRO,
+                     parallelism=Parallelism.ddp, loss_chunk_tokens=int(chunk))  # fmt: skip
+    model_cfg = defaults("model", name="125m", max_seq_len=2048, **SHAPE_125M)
+    measured, planned = step_peak(model_cfg, train, SEQ)
+    return {"measured_mb": measured / 1e6, "planned_mb": planned / 1e6, "ratio": measured / planned}
+
+
 PEAK_ROWS = [(1, "fp32", "off", "ddp"), (1, "bf16", "full", "ddp"), (1, "bf16", "off", "fsdp"),
              (1, "bf16", "selective", "fsdp"), (2, "bf16", "off", "ddp"), (2, "bf16", "full", "fsdp")]  # fmt: skip
+# one process's whole step in bf16, the loss whole and in chunks of 256 tokens: issue 40's before and after
+STEP_ROWS = [("bf16", "off", "0"), ("bf16", "off", "256"), ("bf16", "full", "0"), ("bf16", "full", "256")]
 
 
 def saved_row(tp: int, precision: str, ac: str, parallelism: str = "ddp") -> dict:
@@ -346,12 +372,21 @@ def peak_rows() -> dict:
         key = f"peak_{parallelism}_{'tp2_' if tp > 1 else ''}{precision}_{ac}"
         rows[key] = json.loads(out.stdout.strip().splitlines()[-1])
         print(json.dumps({key: rows[key]}), flush=True)
+    for precision, ac, chunk in STEP_ROWS:
+        cmd = [sys.executable, "-m", "benchmarks.planner_accuracy", "--step", precision, ac, chunk]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                             timeout=600)  # fmt: skip
+        key = f"step_{precision}_{ac}_loss_chunk{chunk}"
+        rows[key] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(json.dumps({key: rows[key]}), flush=True)
     return rows
 
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--peak"]:
         return print(json.dumps(peak_row(int(argv[1]), *argv[2:5])))
+    if argv[:1] == ["--step"]:  # one process: no process group
+        return print(json.dumps(step_row(*argv[1:4])))
     if argv[:1] == ["--pp-rank"]:
         return pp_rank_peak(argv[1], argv[2])
     if argv[:1] == ["--row"]:

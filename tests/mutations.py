@@ -872,6 +872,15 @@ MUTATIONS = [
         "    return p.total_gb\n",
         ("tests/test_benchmarks.py::test_the_planner_holds_to_torchtitans_published_rows",),
     ),
+    Mutation(
+        "loss: the cross-entropy over the whole micro-batch at once, whatever loss_chunk_tokens says",
+        "components/models/__init__.py",
+        "    if not chunk_tokens or isinstance(flat, DTensor) or flat.shape[0] <= chunk_tokens:\n",
+        "    if True:\n",
+        (
+            "tests/preflight/test_plan.py::test_a_chunked_loss_trains_the_same_gradients_and_peaks_lower_where_the_plan_says",
+        ),
+    ),
 ]
 
 

@@ -42,6 +42,7 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
     "model.router_aux_loss_coef": ">= 0",
     "train.ac_every_n_blocks": ">= 1",
     "train.micro_batch_size": ">= 1",
+    "train.loss_chunk_tokens": (">= 0", "0: the whole micro-batch at once"),
     "train.grad_accum_steps": ">= 1",
     "train.steps": ">= 1",
     "train.lr": "> 0",

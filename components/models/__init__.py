@@ -90,11 +90,34 @@ def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return n
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean token cross-entropy every layout trains on (the pipeline schedule's loss_fn too)."""
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
+    """The mean token cross-entropy every layout trains on (the pipeline schedule's loss_fn too).
+
+    With `chunk_tokens` (`train.loss_chunk_tokens`) it runs over chunks of that many tokens,
+    each under activation checkpointing: the fp32 logits, their log-softmax and its gradients
+    exist for one chunk at a time, forward and backward, and what is kept is the head's own
+    output (in the compute dtype). A loss-parallel head's logits (a DTensor split over the
+    vocabulary, already 1/tp) take the plain path."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    flat, flat_targets = logits.flatten(0, 1), targets.flatten()
+    if not chunk_tokens or isinstance(flat, DTensor) or flat.shape[0] <= chunk_tokens:
+        return F.cross_entropy(flat.float(), flat_targets)
+    from torch.utils.checkpoint import checkpoint
+
+    sums = [
+        checkpoint(_chunk_loss, part, part_targets, use_reentrant=False)
+        for part, part_targets in zip(flat.split(chunk_tokens), flat_targets.split(chunk_tokens), strict=True)
+    ]
+    return torch.stack(sums).sum() / flat_targets.numel()
+
+
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     import torch.nn.functional as F
 
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
 __all__ = [

@@ -24,6 +24,7 @@ with plain sends and receives and return the loss on every rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -92,7 +93,9 @@ def build_stages(
 class Pipeline:
     """The schedule over this rank's stages, a training step through it, and forward-only loss."""
 
-    def __init__(self, rank_module: PipelineRank, pp_mesh, device: torch.device, schedule: str, n_micro: int):
+    def __init__(
+        self, rank_module: PipelineRank, pp_mesh, device: torch.device, schedule: str, n_micro: int, chunk: int = 0
+    ):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -107,14 +110,15 @@ class Pipeline:
         ]
         cls = get_schedule_class(SCHEDULE_CLASSES[schedule])
         self.schedule = cls(stages if stages_per_rank(schedule) > 1 else stages[0], n_microbatches=n_micro,
-                            loss_fn=token_loss, scale_grads=True)  # fmt: skip
+                            loss_fn=functools.partial(token_loss, chunk_tokens=chunk), scale_grads=True)  # fmt: skip
 
     @classmethod
     def of(cls, model: nn.Module, train, device: torch.device) -> Pipeline | None:
         """The schedule of a `PipelineRank` that `parallelize` built, or None for other layouts."""
         if not isinstance(model, PipelineRank):
             return None
-        return cls(model, model.pp_mesh, device, train.pp_schedule, pipeline_microbatches(train)[0])
+        micro = pipeline_microbatches(train)[0]
+        return cls(model, model.pp_mesh, device, train.pp_schedule, micro, train.loss_chunk_tokens)
 
     def step(self, batch: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one optimizer step's batch (split into the schedule's

@@ -197,13 +197,16 @@ def activation_bytes(
     block = tokens * (whole + heads / tp)
     head_per_h = precision.fsdp_head_bytes_per_hidden if fsdp else precision.head_bytes_per_hidden
     v, head_h = model.vocab_size or 0, head_per_h * h + 36
+    logits = 4 * v  # what the loss keeps of a token's logits: the fp32 log-softmax
+    if chunked_loss(train, tokens, sp):  # or, chunked, the head's output in the compute dtype
+        logits = v * (4 if precision.compute_dtype == "float32" else 2)
     if not head_too:
         head = 0.0
     elif sp:  # the fp32 logits and the final norm's tensors split; the head's gathered input whole
         norm = 6 if fsdp and precision.compute_dtype != "float32" else 8  # its fp32 internals: 8 B, 6 in FSDP's
         head = tokens * ((4 * v + norm * h + 4) / tp + head_h - norm * h - 4)
     else:
-        head = tokens * (4 * v + head_h)
+        head = tokens * (logits + head_h)
     # a checkpointed block's recompute comes later than the loss's transient, when it is gone
     transient = loss_transient(model, train, seq_len, sp) if recompute and head_too else 0.0
     if not train.activation_checkpointing:
@@ -227,10 +230,23 @@ def activation_bytes(
 def loss_transient(model: ModelConfig, train: TrainConfig, seq_len: int, sp: bool) -> float:
     """Bytes the loss holds for a moment beside everything saved: backward of the fp32
     log-softmax holds its incoming and outgoing gradients (two fp32 tokens x vocabulary tensors;
-    a loss-parallel head's three, split over tp). Counted by torch's MemTracker at the peak
-    (benchmarks/planner_accuracy.py's `peak_` rows)."""
+    a loss-parallel head's three, split over tp). Chunked (`train.loss_chunk_tokens`): the
+    logits' gradient in their dtype (c B) and a chunk's two fp32 gradients, with a bf16 head its
+    bf16 one too. Counted by torch's MemTracker at the peak (benchmarks/planner_accuracy.py's
+    `peak_` rows)."""
     tokens, v = seq_len * train.micro_batch_size, model.vocab_size or 0
-    return 12 * tokens * v / train.tp if sp and train.tp > 1 else 8 * tokens * v
+    if sp and train.tp > 1:
+        return 12 * tokens * v / train.tp
+    if chunked_loss(train, tokens, sp):
+        c = 4 if recipe(train.precision).compute_dtype == "float32" else 2
+        return c * tokens * v + (8 + (c if c < 4 else 0)) * train.loss_chunk_tokens * v
+    return 8 * tokens * v
+
+
+def chunked_loss(train: TrainConfig, tokens: int, sp: bool) -> bool:
+    """Whether the loss runs in chunks (components/models/token_loss): a chunk size under the
+    micro-batch's tokens, and no loss-parallel head."""
+    return 0 < train.loss_chunk_tokens < tokens and not (sp and train.tp > 1)
 
 
 def checkpointed(layers: int, train: TrainConfig) -> int:

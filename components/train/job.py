@@ -213,7 +213,7 @@ def forward_loss(job: Job, batch: torch.Tensor, loads: list | None = None, aux: 
         return job.pipeline.loss(batch)
     with job.recipe.autocast(job.device, job.fsdp):
         output = job.model(input_ids=batch[:, :-1])
-    loss = token_loss(output.logits, batch[:, 1:])
+    loss = token_loss(output.logits, batch[:, 1:], job.train.loss_chunk_tokens)
     family = spec_of(job.model)
     if aux and (term := family.aux_loss(job.model, output)) is not None:
         loss = loss + term
