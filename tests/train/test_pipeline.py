@@ -85,6 +85,7 @@ def test_pp_x_tp_x_fsdp_on_eight_processes_trains_the_losses_and_weights_of_one_
     assert_trains_like(one_process, (run,))
 
 
+@pytest.mark.chaos_slow  # 4 runs of 4 processes (72 s): in `make chaos` only (docs/reliability.md)
 def test_a_pp_x_tp_checkpoint_resumes_under_fsdp_and_back_with_the_samples_and_weights_of_one_run(trainer):
     """Train PP=2 x TP=2 (2 nodes x 2 processes: a stage a node, its matmuls split over the
     node's pair; 8 sequences a step) and FSDP=4 (the same 4 processes, 2 sequences each), 8
