@@ -31,7 +31,9 @@ def test_pipeline_schedules_train_the_losses_and_weights_of_one_process(trainer,
     every micro-batch through them)."""
     common = [*COMMON, "train.steps=10"]
     one = one_process  # tests/conftest.py: trained once for the layout tests
-    pp = trainer.run(*common, *TWO_NODES, "train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2")
+    # 1F1B's loss in chunks of 64 tokens (4 a pipeline micro-batch): the schedule's loss_fn too
+    pp = trainer.run(*common, *TWO_NODES, "train.pp=2", "train.micro_batch_size=4", "train.grad_accum_steps=2",
+                     "train.loss_chunk_tokens=64")  # fmt: skip
     inter = Trainer(trainer.dataset_store, trainer.tmp / "inter").run(
         *common, *TWO_NODES, "train.pp=2", "train.pp_schedule=interleaved_1f1b", "train.micro_batch_size=4",
         "train.grad_accum_steps=2",

@@ -409,7 +409,10 @@ def test_fsdp_trains_the_same_weights_as_ddp(trainer):
     data, fp32, two ranks; only the reduction order differs."""
     common = [*TWO_NODES, "train.precision=fp32", "train.steps=10", "train.warmup_steps=2"]
     ddp = trainer.run(*common, "train.parallelism=ddp", "train.checkpoint_interval=10")
-    fsdp = Trainer(trainer.dataset_store, trainer.tmp / "fsdp").run(*common, "train.parallelism=fsdp")
+    # the FSDP side's loss in chunks of 128 tokens (4 a micro-batch): the same weights as DDP's whole one
+    fsdp = Trainer(trainer.dataset_store, trainer.tmp / "fsdp").run(
+        *common, "train.parallelism=fsdp", "train.loss_chunk_tokens=128"
+    )
     assert fsdp.result.wrapped_modules["fsdp"] == 3 and ddp.result.wrapped_modules["fsdp"] == 0
     assert fsdp.result.wrapped_modules["fsdp_reshard_after_forward"] == 2  # the blocks; the root keeps its own
     a, b = final_weights(ddp), final_weights(fsdp)
