@@ -586,7 +586,8 @@ def test_a_cluster_preset_publishes_no_tiny_value(tmp_path, monkeypatch):
         (["cluster=kubernetes", "store=minio"], "cluster.procs_per_node=1 with cluster.gpu=8"),
         (
             ["experiment=h200-70b", "train.grad_accum_steps=16", "train.fsdp_sync_every_microbatch=false"],
-            r"the plan does not fit: \d+\.\d GiB per device > 118\.2 GiB \(H200",
+            r"the plan does not fit by \d+\.\d GiB: \d+\.\d GiB per device \(preflight\.memory_headroom=0\.1\) "
+            r"> 131\.3 GiB \(H200",
         ),
     ],
     ids=["local-store", "one-process-for-8-gpus", "plan-does-not-fit"],

@@ -105,8 +105,9 @@ def test_the_router_aux_loss_is_in_the_gradient_and_a_model_trained_without_it_r
             (token_loss(out.logits, batch[:, 1:]) + coef * aux).backward()
         else:
             job = SimpleNamespace(
-                pipeline=None, recipe=recipe("fp32"), device=torch.device("cpu"), fsdp=False, model=model
-            )
+                pipeline=None, recipe=recipe("fp32"), device=torch.device("cpu"), fsdp=False, model=model,
+                train=SimpleNamespace(loss_chunk_tokens=0),
+            )  # fmt: skip
             loads: list = []
             forward_loss(job, batch, loads).backward()
             assert loads[0].sum() == 2 * 2 * 4 * 16  # blocks x experts a token x tokens
