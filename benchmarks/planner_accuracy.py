@@ -133,7 +133,11 @@ def measured_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> 
     return sum(saved.values())
 
 
-def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> float:
+def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int, peak: bool = False) -> float:
+    """What `measured_bytes` counts, as planned: the saved activations plus, outside FSDP (whose
+    gathered copies are not counted as saved), autocast's weight copies. `peak`: what
+    `peak_bytes` counts, the activations at their peak (the loss's transient, or a block's
+    recompute with its copies)."""
     from components.model_math import param_tensors
     from components.parallel import sequence_parallel
     from components.precision import recipe
@@ -141,9 +145,10 @@ def planned_bytes(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> f
 
     sp = sequence_parallel(train, model_cfg.tie_embeddings, cuda=False)  # as `tp_model` builds it here
     tensors, layers = tp_local(param_tensors(model_cfg), train.tp, sp), model_cfg.num_layers
-    fsdp = train.parallelism == Parallelism.fsdp  # its gathered copies are not counted as saved (`measured_bytes`)
-    copies = 0.0 if fsdp else weight_copies(tensors, layers, recipe(train.precision), train, False, recompute=False)
-    return activation_bytes(model_cfg, train, seq_len, recompute=False, sp=sp, fsdp=fsdp) + copies
+    fsdp, precision = train.parallelism == Parallelism.fsdp, recipe(train.precision)
+    kept = 0.0 if fsdp else weight_copies(tensors, layers, precision, train, False, recompute=False)
+    extra = weight_copies(tensors, layers, precision, train, False) - kept if peak and not fsdp else 0.0
+    return activation_bytes(model_cfg, train, seq_len, recompute=peak, sp=sp, fsdp=fsdp, recompute_extra=extra) + kept
 
 
 def fake_tp_world(size: int = 2) -> None:
@@ -284,20 +289,7 @@ def step_peak(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> tuple
 
 
 def planned_peak(model_cfg: ModelConfig, train: TrainConfig, seq_len: int) -> float:
-    """The planner's activations at their peak (the loss's transient, or a block's recompute)
-    plus, outside FSDP, autocast's weight copies: what `peak_bytes` counts."""
-    from components.model_math import param_tensors
-    from components.parallel import sequence_parallel
-    from components.precision import recipe
-    from components.preflight.plan import activation_bytes, tp_local, weight_copies
-
-    sp = sequence_parallel(train, model_cfg.tie_embeddings, cuda=False)
-    fsdp = train.parallelism == Parallelism.fsdp
-    tensors = tp_local(param_tensors(model_cfg), train.tp, sp)
-    precision, layers = recipe(train.precision), model_cfg.num_layers
-    kept = 0.0 if fsdp else weight_copies(tensors, layers, precision, train, False, recompute=False)
-    extra = 0.0 if fsdp else weight_copies(tensors, layers, precision, train, False) - kept  # a recomputed block's
-    return activation_bytes(model_cfg, train, seq_len, sp=sp, fsdp=fsdp, recompute_extra=extra) + kept
+    return planned_bytes(model_cfg, train, seq_len, peak=True)
 
 
 def peak_row(tp: int, precision: str, ac: str, parallelism: str) -> dict:

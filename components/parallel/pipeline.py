@@ -143,28 +143,28 @@ class Pipeline:
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The mean token loss of `batch` through every stage, forward only (no autograd graph
-        kept), on every pipeline rank: hidden states go stage to stage with send/recv (dtype
-        first: a stage's output dtype depends on the precision), the loss back from the last."""
+        kept), on every pipeline rank: hidden states go stage to stage with send/recv (dtype and
+        length first: a stage's output dtype depends on the precision, and under sequence parallel
+        its length is this tp rank's part of the sequence), the loss back from the last."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
         chunks = dict(zip(self.module.stage_ids, self.module.chunks, strict=True))
         h = inputs
         n = self.module.num_stages
-        mesh = getattr(self.module.chunks[0], "sequence_mesh", None)  # sequence parallel: a tp rank's part
-        length = inputs.shape[1] // mesh.size() if mesh is not None else inputs.shape[1]
         with torch.no_grad(), self.loss_scope():
             for s in range(n):
                 owner, nxt = s % self.pp, (s + 1) % self.pp
                 if owner == self.pp_rank:
                     h = chunks[s](h)
                     if s < n - 1:
-                        code = torch.tensor([_DTYPES.index(h.dtype)], dtype=torch.int64)
+                        code = torch.tensor([_DTYPES.index(h.dtype), h.shape[1]], dtype=torch.int64)
                         dist.send(code.to(self.device), self.ranks[nxt], group=self.group)
                         dist.send(h.contiguous(), self.ranks[nxt], group=self.group)
                 elif nxt == self.pp_rank and s < n - 1:
-                    code = torch.zeros(1, dtype=torch.int64, device=self.device)
+                    code = torch.zeros(2, dtype=torch.int64, device=self.device)
                     dist.recv(code, self.ranks[owner], group=self.group)
+                    dtype, length = code.tolist()
                     shape = (inputs.shape[0], length, self.module.config.hidden_size)
-                    h = torch.empty(shape, dtype=_DTYPES[int(code)], device=self.device)
+                    h = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
                     dist.recv(h, self.ranks[owner], group=self.group)
             loss = token_loss(h, targets) if self.module.has_last else torch.zeros((), device=self.device)
         out = local_loss(loss.detach()).float().reshape(1).clone()

@@ -55,6 +55,11 @@ class Recipe:
     head_bytes_per_hidden = 12.0
     fsdp_head_bytes_per_hidden = 12.0  # the same under FSDP's mixed-precision policy
 
+    @property
+    def compute_bytes(self) -> float:
+        """Bytes of one element in the compute dtype (activations, the head's logits, TP's collectives)."""
+        return 4.0 if self.compute_dtype == "float32" else 2.0
+
     def check_model(self, model: ModelConfig) -> None:
         """Pre-launch check on the config alone (no torch model is built)."""
 
@@ -98,7 +103,7 @@ class Recipe:
     def input_bytes(self, fsdp: bool) -> float:
         """Bytes per hidden unit of a block's input (what a checkpoint keeps): fp32, or the
         compute dtype under FSDP's mixed-precision policy."""
-        return 2.0 if fsdp and self.compute_dtype != "float32" else 4.0
+        return self.compute_bytes if fsdp else 4.0
 
     def copy_bytes(self, linear: bool, fp8_eligible: bool, fsdp: bool, train: TrainConfig) -> float:
         """Bytes per element of the compute copy of one parameter, beside its fp32 master.

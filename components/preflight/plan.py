@@ -199,12 +199,12 @@ def activation_bytes(
     v, head_h = model.vocab_size or 0, head_per_h * h + 36
     logits = 4 * v  # what the loss keeps of a token's logits: the fp32 log-softmax
     if chunked_loss(train, tokens, sp):  # or, chunked, the head's output in the compute dtype
-        logits = v * (4 if precision.compute_dtype == "float32" else 2)
+        logits = v * precision.compute_bytes
     if not head_too:
         head = 0.0
     elif sp:  # the fp32 logits and the final norm's tensors split; the head's gathered input whole
         norm = 6 if fsdp and precision.compute_dtype != "float32" else 8  # its fp32 internals: 8 B, 6 in FSDP's
-        head = tokens * ((4 * v + norm * h + 4) / tp + head_h - norm * h - 4)
+        head = tokens * ((logits + norm * h + 4) / tp + head_h - norm * h - 4)
     else:
         head = tokens * (logits + head_h)
     # a checkpointed block's recompute comes later than the loss's transient, when it is gone
@@ -214,7 +214,7 @@ def activation_bytes(
     kept = checkpointed(L, train)  # checkpointed blocks keep their input (fp32, or bf16 under FSDP's policy)
     i = precision.input_bytes(fsdp)
     if train.activation_checkpointing == ActivationCheckpointing.selective:  # and the outputs the rule saves
-        c = 4 if precision.compute_dtype == "float32" else 2
+        c = precision.compute_bytes
         saved = c * (h + kv + f + h) + 4 * a  # q, v, gate and attention's output (split), its log-sum-exp
         if sp:  # the input and o's and down's reduce-scattered outputs split; a gathered input whole
             kept_bytes = tokens * (c * h + (i * h + 2 * c * h + saved) / tp)
@@ -238,7 +238,7 @@ def loss_transient(model: ModelConfig, train: TrainConfig, seq_len: int, sp: boo
     if sp and train.tp > 1:
         return 12 * tokens * v / train.tp
     if chunked_loss(train, tokens, sp):
-        c = 4 if recipe(train.precision).compute_dtype == "float32" else 2
+        c = recipe(train.precision).compute_bytes
         return c * tokens * v + (8 + (c if c < 4 else 0)) * train.loss_chunk_tokens * v
     return 8 * tokens * v
 
@@ -402,7 +402,7 @@ def tp_comm_bytes(
     if train.tp == 1:
         return 0.0
     sp = sp and not model.tie_embeddings
-    c = 4 if precision.compute_dtype == "float32" else 2
+    c = precision.compute_bytes
     t, h, v = seq_len * train.micro_batch_size, model.hidden_size, model.vocab_size or 0
     layers = share.layers if share is not None else model.num_layers
     ckpt = checkpointed(layers, train)
@@ -496,7 +496,7 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
             tp_bw = (tp_busbw_gbps or busbw_gbps) * GB
             exposed += tp_comm_bytes(model, train, s, precision, sp, share) * (tp - 1) / tp / tp_bw
         if pp > 1 and (pp_bw := pp_busbw_gbps or replicate_busbw_gbps or busbw_gbps):
-            c = 4 if precision.compute_dtype == "float32" else 2
+            c = precision.compute_bytes
             sends = 2 * micro_stages * b * s * h * c / tp  # activations forward, their gradients backward
             exposed += sends / (pp_bw * GB)
         comm = data_parallel + exposed

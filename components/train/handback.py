@@ -157,7 +157,8 @@ def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
     # FSDP units that free their gathered parameters after forward (all but the root; under
     # pipeline parallelism none: a stage's stay unsharded through its micro-batches)
     counts["fsdp_reshard_after_forward"] = sum(
-        isinstance(m, FSDPModule) and any(g.post_forward_mesh_info is not None for g in _param_groups(m))
+        isinstance(m, FSDPModule)
+        and any(g.post_forward_mesh_info is not None for g in m._get_fsdp_state()._fsdp_param_groups)
         for m in modules
     )
     # blocks under the selective per-op policy: their checkpoint runs with a context_fn
@@ -182,11 +183,6 @@ def wrapped_modules(model: torch.nn.Module) -> dict[str, int]:
         isinstance(m, Float8Linear) and _placed(m.weight, "tp", "is_shard") for m in model.modules()
     )
     return counts
-
-
-def _param_groups(module) -> list:
-    state = module._get_fsdp_state()
-    return list(getattr(state, "_fsdp_param_groups", None) or filter(None, [state._fsdp_param_group]))
 
 
 def _placed(p, dim: str, kind: str) -> bool:
