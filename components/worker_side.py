@@ -42,9 +42,13 @@ class WorkerSpec:
     def from_json(cls, data: dict):
         from components.config import group_from_dict
 
-        hints = typing.get_type_hints(cls)
-        groups = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
-        return cls(**{k: group_from_dict(hints[k], v) if k in groups else v for k, v in data.items()})
+        groups = {}  # field -> its config group's dataclass (of `Group | None` too)
+        for name, hint in typing.get_type_hints(cls).items():
+            kinds = [t for t in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(t)]
+            if kinds:
+                groups[name] = kinds[0]
+        typed = {k: group_from_dict(groups[k], v) for k, v in data.items() if k in groups and v is not None}
+        return cls(**{**data, **typed})
 
     def encode(self) -> str:
         return base64.urlsafe_b64encode(json.dumps(self.to_json()).encode()).decode()

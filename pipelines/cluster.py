@@ -167,7 +167,7 @@ def replica_jobs(typed, namespace: str) -> dict[str, dict]:
     _, _, train = train_launch(
         dataset, typed.model, typed.train, typed.cluster, typed.store, cache_gb=typed.data.cache_gb
     )
-    preflight = preflight_launch(dataset, typed.train, typed.cluster, typed.preflight, typed.store)
+    preflight = preflight_launch(dataset, typed.model, typed.train, typed.cluster, typed.preflight, typed.store)
     return {
         stage: k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace=namespace).request.resource)
         for stage, launch in (("train", train), ("preflight", preflight))

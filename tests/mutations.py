@@ -852,8 +852,8 @@ MUTATIONS = [
     Mutation(
         "planner: data-parallel communication added to compute, none hidden",
         "components/preflight/plan.py",
-        "        step = compute + exposed + unhidden(data_parallel, compute, share.layers)\n",
-        "        step = compute + exposed + data_parallel\n",
+        "        exposed += unhidden(data_parallel, compute, share.layers)\n",
+        "        exposed += data_parallel\n",
         (
             "tests/preflight/test_plan.py::test_fsdp_on_128_gpus_plans_the_published_few_percent_under_8_not_the_sum_of_its_traffic",
         ),
@@ -880,6 +880,40 @@ MUTATIONS = [
         (
             "tests/preflight/test_plan.py::test_a_chunked_loss_trains_the_same_gradients_and_peaks_lower_where_the_plan_says",
         ),
+    ),
+    Mutation(
+        "plan: the host's dispatch of a step is left out of a CPU step (GEMMs alone)",
+        "components/preflight/plan.py",
+        "    step = max(p.step_time_s, host_s) if cuda else p.step_time_s + host_s\n",
+        "    step = max(p.step_time_s, host_s) if cuda else p.step_time_s\n",
+        (
+            "tests/preflight/test_preflight.py::test_the_host_step_preflight_times_dispatches_the_ops_of_the_runs_step_and_the_plan_counts_it",
+        ),
+    ),
+    Mutation(
+        "preflight: the host step's proxy runs without the run's precision recipe",
+        "components/preflight/bench.py",
+        "    precision.apply(net, train, device)\n",
+        "",
+        (
+            "tests/preflight/test_preflight.py::test_the_host_step_preflight_times_dispatches_the_ops_of_the_runs_step_and_the_plan_counts_it",
+        ),
+    ),
+    Mutation(
+        "preflight: the host step's proxy runs one micro-batch whatever the run's accumulation",
+        "components/preflight/bench.py",
+        "    micro = pipeline_microbatches(train)[0]\n",
+        "    micro = 1\n",
+        (
+            "tests/preflight/test_preflight.py::test_the_host_step_preflight_times_dispatches_the_ops_of_the_runs_step_and_the_plan_counts_it",
+        ),
+    ),
+    Mutation(
+        "preflight: the stage plans without the nodes' measured host step",
+        "components/preflight/stage.py",
+        "        host_s=host_s,\n",
+        "",
+        ("tests/preflight/test_preflight.py::test_two_node_preflight_measures_everything_and_passes",),
     ),
 ]
 

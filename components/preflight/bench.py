@@ -9,13 +9,15 @@ import platform
 import resource
 import shutil
 import socket
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from components.config import ModelConfig, TrainConfig
 from components.model_math import host_memory_bytes
 from components.precision import Recipe
 
@@ -41,13 +43,15 @@ class NodeMeasurement:
     membw_gbps: float | None
     busbw_gbps: dict[float, float]  # by all-reduce message size, MB
     device_memory_gb: float | None
+    host_step_s: float | None = None  # the run's step at a negligible size (host_step_s): dispatch alone
 
     @classmethod
     def of(cls, record: dict) -> NodeMeasurement:
         sizes = {mb: record[busbw_key(mb)] for mb in record.get("allreduce_sizes_mb", [])}
         gemm = {k[len(GEMM) :]: float(v) for k, v in record.items() if k.startswith(GEMM)}
         memory = record.get("device_memory_gb")
-        return cls(record["rank"], record["host"], gemm, record.get("membw_gbps"), sizes, memory)
+        host = record.get(HOST_STEP)
+        return cls(record["rank"], record["host"], gemm, record.get("membw_gbps"), sizes, memory, host)
 
     @property
     def largest_busbw_gbps(self) -> float | None:
@@ -98,6 +102,76 @@ def gemm_tflops(precision: Recipe, size: int, iters: int, device: torch.device) 
     """Achieved TFLOP/s of the precision's size x size x size matmul (2·n³ FLOPs): the fastest of
     `iters` batches (`_best`)."""
     return 2 * size**3 / _best(precision.gemm(size, device), iters, device) / 1e12
+
+
+HOST_STEP = "host_step_s"  # a node's record: seconds of one step of the run's op graph at a negligible size
+PROXY_HEAD_DIM, PROXY_FFN, PROXY_VOCAB, PROXY_TOKENS = 16, 32, 256, 16  # every dim fp8-eligible (multiples of 16)
+
+
+def proxy_model(model: ModelConfig, train: TrainConfig) -> ModelConfig:
+    """The run's model as a host-overhead proxy: its family, one pipeline stage's blocks, its
+    query-head groups (two kv heads' queries: the same grouped-query ops run), experts and
+    routing, every width shrunk to PROXY_HEAD_DIM and PROXY_FFN: the same modules and ops as the
+    run's rank dispatches, on tensors small enough that compute is nothing beside dispatch."""
+    kv = min(model.num_kv_heads, 2)  # one kv head would make its transposes views, not copies
+    heads = model.num_heads // model.num_kv_heads * kv
+    return replace(
+        model,
+        vocab_size=PROXY_VOCAB,
+        hidden_size=heads * PROXY_HEAD_DIM,
+        num_layers=-(-model.num_layers // train.pp),
+        num_heads=heads,
+        num_kv_heads=kv,
+        ffn_hidden_size=PROXY_FFN,
+        max_seq_len=PROXY_TOKENS,
+    )
+
+
+def host_step(model: ModelConfig, train: TrainConfig, device: torch.device):
+    """One training step of `proxy_model`, as a callable: its micro-batches' forward and
+    backward, clipping and the optimizer step, under the run's precision recipe, activation
+    checkpointing, chunked loss and fused AdamW, on PROXY_TOKENS tokens per micro-batch."""
+    from components.models import build_model, token_loss
+    from components.parallel.checkpointing import apply_activation_checkpointing
+    from components.parallel.dims import pipeline_microbatches
+    from components.precision import recipe
+    from components.train.optim import build_optimizer
+
+    net = build_model(proxy_model(model, train), PROXY_VOCAB, train.seed).to(device)
+    precision = recipe(train.precision)
+    precision.apply(net, train, device)
+    apply_activation_checkpointing(net, train.activation_checkpointing, train.ac_every_n_blocks)
+    optimizer = build_optimizer(net, train)
+    micro = pipeline_microbatches(train)[0]
+    batch = torch.randint(0, PROXY_VOCAB, (1, PROXY_TOKENS + 1), device=device)
+
+    def step() -> None:
+        for _ in range(micro):
+            with precision.autocast(device, False):
+                logits = net(input_ids=batch[:, :-1]).logits
+            token_loss(logits, batch[:, 1:], train.loss_chunk_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def host_step_s(model: ModelConfig, train: TrainConfig, device: torch.device, iters: int) -> float:
+    """Seconds of one `host_step`, the median of `iters` after two of warm-up: what a rank's
+    host spends dispatching a step of the run whatever the model's width. On a CPU it adds to
+    the GEMMs' time, on a GPU it hides under them unless it is the longer. Eager: a compiled
+    step's host time is its own (not measured)."""
+    step = host_step(model, train, device)
+    times = []
+    for i in range(iters + 2):
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def memory_bandwidth_gbps(megabytes: int, iters: int, device: torch.device) -> float:

@@ -127,6 +127,8 @@ class Plan:
     mfu: float | None
     compute_s: float | None
     comm_s: float | None
+    exposed_comm_s: float | None = None  # what of comm_s compute does not hide
+    host_s: float | None = None  # the host's dispatch of a step (preflight's host_step_s), where measured
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -431,11 +433,14 @@ def plan(
     tp_busbw_gbps: float | None = None,
     pp_busbw_gbps: float | None = None,
     cuda: bool = True,
+    host_s: float | None = None,
 ) -> Plan:
     """`busbw_gbps`: the bus bandwidth of the data-parallel group (for HSDP, of a shard group);
     `replicate_busbw_gbps`: HSDP's across its replicas; `tp_busbw_gbps`: a tp group's (None:
     the data-parallel group's); `pp_busbw_gbps`: between pipeline stages (None: HSDP's, the
-    network's); `cuda`: planned for GPUs (fp8 runs sequence parallel only there). Under
+    network's); `cuda`: planned for GPUs (fp8 runs sequence parallel only there); `host_s`: the
+    host's dispatch of a step (preflight measures it): on a GPU the step lasts at least that
+    long (kernels queue behind their launches), on a CPU it adds to compute (no queue). Under
     pipeline parallelism, the plan of the end rank that holds more."""
     if vocab_size is not None and model.vocab_size is None:
         model = ModelConfig(**{**asdict(model), "vocab_size": vocab_size})
@@ -445,7 +450,19 @@ def plan(
     bw = (tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps, tp_busbw_gbps, pp_busbw_gbps)
     sp = sequence_parallel(train, model.tie_embeddings, cuda)
     plans = [_plan_rank(model, train, world, seq_len, share, sp, *bw) for share in pipeline_shares(model, train)]
-    return max(plans, key=lambda p: p.total_gb)
+    chosen = max(plans, key=lambda p: p.total_gb)
+    if host_s and chosen.step_time_s:
+        return with_host(chosen, host_s, cuda)
+    return chosen
+
+
+def with_host(p: Plan, host_s: float, cuda: bool) -> Plan:
+    """The plan with the host's dispatch of a step in its step time: the longer of the two on a
+    GPU (launches run ahead of the device), their sum on a CPU (one thread does both)."""
+    step = max(p.step_time_s, host_s) if cuda else p.step_time_s + host_s
+    scale = p.step_time_s / step
+    mfu_ = p.mfu * scale if p.mfu is not None else None
+    return replace(p, step_time_s=step, tokens_per_s=p.tokens_per_s * scale, mfu=mfu_, host_s=host_s)
 
 
 def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps,
@@ -500,7 +517,8 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
             sends = 2 * micro_stages * b * s * h * c / tp  # activations forward, their gradients backward
             exposed += sends / (pp_bw * GB)
         comm = data_parallel + exposed
-        step = compute + exposed + unhidden(data_parallel, compute, share.layers)
+        exposed += unhidden(data_parallel, compute, share.layers)
+        step = compute + exposed
         tps = tokens_per_replica * dp / step
         utilization = mfu(tps, fpt, peak_tflops, world)  # against a published peak only, never a measured one
     return Plan(
@@ -520,6 +538,7 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
         mfu=utilization,
         compute_s=compute,
         comm_s=comm,
+        exposed_comm_s=exposed if tflops else None,
     )
 
 

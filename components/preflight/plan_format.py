@@ -34,7 +34,9 @@ def format_plan(p: Plan, device_memory_gb: float, headroom: float) -> str:
             (
                 "step time",
                 f"{p.step_time_s:.4g} s (compute {p.compute_s:.4g} s, comm {p.comm_s:.4g} s, of it "
-                f"{p.step_time_s - p.compute_s:.4g} s not hidden under compute)",
+                f"{p.exposed_comm_s:.4g} s not hidden under compute"
+                + (f"; the host's dispatch {p.host_s:.4g} s" if p.host_s else "")
+                + ")",
             ),
             ("tokens/s", f"{p.tokens_per_s:,.0f}"),
             ("MFU", f"{p.mfu:.1%}" if p.mfu is not None else NO_PEAK),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from components.config import PreflightConfig, StoreConfig
+from components.config import ModelConfig, PreflightConfig, StoreConfig, TrainConfig
 from components.worker_side import WorkerSpec
 
 
@@ -17,3 +17,6 @@ class PreflightSpec(WorkerSpec):
     run_id: str
     checkpoint_dir: str  # the disk checkpoints land on, inside the replica
     dtype: str = "float32"  # the training precision's compute dtype: the numerics battery's
+    # the run's model and training config: the shape of the step whose host time preflight measures
+    model: ModelConfig | None = None
+    train: TrainConfig | None = None

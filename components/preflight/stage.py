@@ -94,12 +94,18 @@ def gemm_dtype(nodes: list[NodeMeasurement], precision: Precision) -> str:
     return name if all(name in n.gemm_tflops for n in nodes) else "bf16"
 
 
-def plan_inputs(nodes: list[dict], precision: Precision) -> tuple[float, float | None]:
-    """Achieved TFLOP/s of the compute dtype (slowest node) and the largest message's bus bandwidth."""
+def plan_inputs(nodes: list[dict], precision: Precision) -> tuple[float, float | None, float | None]:
+    """Achieved TFLOP/s of the compute dtype (slowest node), the largest message's bus bandwidth
+    and the host's step at a negligible size (slowest node; None where not measured)."""
     measured = [NodeMeasurement.of(n) for n in nodes]
     dtype = gemm_dtype(measured, precision)
     busbw = [n.largest_busbw_gbps for n in measured]
-    return min(n.gemm_tflops[dtype] for n in measured), (min(busbw) if None not in busbw else None)
+    host = [n.host_step_s for n in measured]
+    return (
+        min(n.gemm_tflops[dtype] for n in measured),
+        min(busbw) if None not in busbw else None,
+        max(host) if None not in host else None,
+    )
 
 
 def summary(result: PreflightResult, cfg: PreflightConfig, precision: Precision) -> PreflightSummary:
@@ -200,7 +206,10 @@ MEASURING = ("gemm_size", "gemm_iters", "membw_mb", "membw_mb_gpu", "allreduce_s
              "read_probe_mb", "numerics_s")  # the preflight keys that change what a node measures  # fmt: skip
 
 
-def fleet_name(dataset: str | None, train: TrainConfig, cluster: ClusterConfig, cfg: PreflightConfig, held_out) -> str:
+def fleet_name(
+    dataset: str | None, model: ModelConfig | None, train: TrainConfig, cluster: ClusterConfig, cfg: PreflightConfig,
+    held_out,
+) -> str:  # fmt: skip
     """The name the fleet's measurements are stored under: the node set (scheduler, nodes, processes,
     the nodes held out), the device kind and image, what is measured and how, and the code that
     measures. Two runs with one name may share measurements (preflight.max_age_min)."""
@@ -221,6 +230,7 @@ def fleet_name(dataset: str | None, train: TrainConfig, cluster: ClusterConfig, 
         ],  # fmt: skip
         "measuring": {k: v for k, v in as_plain_dict(cfg).items() if k in MEASURING},
         "dtype": recipe(train.precision).compute_dtype,
+        "host_step": host_step_shape(model, train),
         "dataset": dataset,
         "checkpoint_dir": train.checkpoint_dir,
         "code": code_version(),
@@ -229,9 +239,24 @@ def fleet_name(dataset: str | None, train: TrainConfig, cluster: ClusterConfig, 
     return f"{cluster.scheduler.value}-{cluster.nodes}n-{digest}"
 
 
+HOST_STEP_KEYS = ("precision", "fp8_recipe", "activation_checkpointing", "ac_every_n_blocks", "compile",
+                  "loss_chunk_tokens", "pp", "micro_batch_size", "grad_accum_steps", "seed", "grad_clip")  # fmt: skip
+
+
+def host_step_shape(model: ModelConfig | None, train: TrainConfig):
+    """What the measured host step (bench.host_step_s) depends on: the proxy model and the
+    training settings that change the ops a step dispatches."""
+    if model is None:
+        return None
+    from components.config import as_plain_dict
+
+    proxy = as_plain_dict(bench.proxy_model(model, train))
+    return [proxy, {k: v for k, v in as_plain_dict(train).items() if k in HOST_STEP_KEYS}]
+
+
 def preflight_launch(
-    dataset: str | None, train: TrainConfig, cluster: ClusterConfig, cfg: PreflightConfig, store_cfg: StoreConfig,
-    held_out=(),
+    dataset: str | None, model: ModelConfig | None, train: TrainConfig, cluster: ClusterConfig, cfg: PreflightConfig,
+    store_cfg: StoreConfig, held_out=(),
 ) -> Launch:  # fmt: skip
     """The TorchX job that benchmarks every node as training will use it: one replica per node,
     one process per device, a fresh run id."""
@@ -240,10 +265,12 @@ def preflight_launch(
         preflight=cfg,
         store=replica_store(store_cfg, cluster),
         dataset=dataset,
-        name=fleet_name(dataset, train, cluster, cfg, held_out),
+        name=fleet_name(dataset, model, train, cluster, cfg, held_out),
         run_id=run_id,
         checkpoint_dir=train.checkpoint_dir or ".",  # the disk checkpoints land on, in the replica
         dtype=recipe(train.precision).compute_dtype,
+        model=model,
+        train=train,
     )
     log_dir = Path(train.run_dir).resolve() / "preflight" / run_id
     name = f"preflight-{run_id[-8:]}"
@@ -288,7 +315,7 @@ def run_preflight(
     t0 = time.perf_counter()
     local = cluster.scheduler == Scheduler.local_cwd
     held_out = fleet.quarantined(store)  # measured again only once their records expire or are cleared
-    launch = preflight_launch(dataset, train, cluster, cfg, store_cfg, held_out)
+    launch = preflight_launch(dataset, model, train, cluster, cfg, store_cfg, held_out)
     spec = launch.spec
     found = reusable_measurements(store, spec.name, max_age_min(cfg, local), cluster.nodes * cluster.procs_per_node)
     if found is not None:
@@ -303,7 +330,7 @@ def run_preflight(
     reference = numerics.reference(nodes, bench.accelerator(torch.device("cpu"))) if cfg.numerics_s > 0 else None
     verdicts = judge(nodes, cfg, floors, floors_from, reference, outliers_for(cfg, local))
     healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes
-    tflops, busbw = plan_inputs(healthy_nodes, train.precision)
+    tflops, busbw, host_s = plan_inputs(healthy_nodes, train.precision)
     device_gb = cfg.device_memory_gb or min(n["device_memory_gb"] for n in nodes)
     stats = store.manifest(Ref.parse(dataset)).metadata.get("stats", {}) if dataset else {}  # no data download
     vocab, seq_len = stats.get("vocab_size"), stats.get("seq_len", model.max_seq_len)
@@ -318,6 +345,7 @@ def run_preflight(
         peak_tflops=published_peak(train, cluster)[0],
         busbw_gbps=busbw if world > 1 else None,
         tp_busbw_gbps=tp_group_busbw(train, cluster),  # the table's NVLink: preflight measures the world's
+        host_s=host_s,
         cuda=not all(str(n.get("accelerator", "")).startswith("cpu:") for n in healthy_nodes),
     )
     result = PreflightResult(nodes, verdicts, step_plan, device_gb, time.perf_counter() - t0, published.ref)

@@ -68,6 +68,9 @@ def measure_device(cfg: PreflightConfig, spec: PreflightSpec, rank: int, device:
             m[bench.gemm_key(precision.name)] = bench.gemm_tflops(precision, cfg.gemm_size, cfg.gemm_iters, device)
     gpu = device.type == "cuda"
     m["membw_gbps"] = bench.memory_bandwidth_gbps(cfg.membw_mb_gpu if gpu else cfg.membw_mb, 5, device)
+    compiled = spec.train is not None and (spec.train.compile if spec.train.compile is not None else gpu)
+    if spec.model is not None and not compiled:
+        m[bench.HOST_STEP] = bench.host_step_s(spec.model, spec.train, device, cfg.gemm_iters)
     if m["local_rank"] == 0:
         m.update(storage_probe(store, spec.dataset, cfg.read_probe_mb, rank))
     return m

@@ -117,7 +117,7 @@ def test_preflight_runs_one_process_per_device_like_training():
 
     cfg = OmegaConf.to_object(compose([*CLUSTER, "cluster.namespace=team-a", "cluster.procs_per_node=8"]))
     _, _, train = train_launch("dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.store, cache_gb=cfg.data.cache_gb)
-    preflight = preflight_launch("dataset/d@v", cfg.train, cfg.cluster, cfg.preflight, cfg.store)
+    preflight = preflight_launch("dataset/d@v", cfg.model, cfg.train, cfg.cluster, cfg.preflight, cfg.store)
 
     def nproc(launch) -> set[str]:
         job = k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace="team-a").request.resource)

@@ -26,6 +26,7 @@ EVERY_METRIC = [
     "accelerator",
     "cuda",
     "driver",
+    "host_step_s",
 ]
 
 
@@ -54,6 +55,9 @@ def test_two_node_preflight_measures_everything_and_passes(trainer):
     assert held == []  # outside the store itself, no disk (a node's directory, a cache) holds a shard file
     report = report_markdown(result, cfg.preflight)
     assert report.count("| healthy |") == 2 and "## Plan" in report and "total per device" in report
+    # the plan's step holds the slowest node's dispatch of it, on top of its GEMMs (a CPU: one thread does both)
+    host = max(n["host_step_s"] for n in result.nodes)
+    assert result.plan.host_s == host and result.plan.step_time_s >= result.plan.compute_s + host
 
 
 def test_preflight_measures_every_process_as_training_runs_them(trainer):
@@ -335,7 +339,7 @@ def test_the_fleet_key_changes_with_what_is_measured_and_not_with_how_it_is_judg
 
     def name(*overrides: str, held_out=(), dataset: str = "dataset/kjv@a") -> str:
         cfg = OmegaConf.to_object(compose(list(overrides)))
-        return fleet_name(dataset, cfg.train, cfg.cluster, cfg.preflight, held_out)
+        return fleet_name(dataset, cfg.model, cfg.train, cfg.cluster, cfg.preflight, held_out)
 
     base = name()
     measured = [
@@ -406,3 +410,87 @@ def test_on_a_cpu_the_fp8_gemm_preflight_times_is_the_one_training_runs():
         model(x)
     assert "aten._scaled_mm" not in gemm.seen and "aten._scaled_mm" not in trained.seen, (gemm.seen, trained.seen)
     assert gemm.seen == trained.seen and "aten.mm" in gemm.seen, gemm.seen ^ trained.seen
+
+
+def test_the_host_step_preflight_times_dispatches_the_ops_of_the_runs_step_and_the_plan_counts_it():
+    """Issue 40, acceptance 5: on a CPU one thread dispatches every op and runs it, so a step
+    small enough that its GEMMs take nothing still takes the host's dispatch of its ops (the
+    tiny run's CI step was 2.6x a plan of GEMMs alone). Preflight times that dispatch on a proxy
+    of the run's model (`bench.host_step_s`): (1) the proxy's step dispatches the very ops, op
+    for op, of a step of the run's own model (its fp8 recipe, checkpointing, micro-batches,
+    fused AdamW); (2) the plan with the measured dispatch times a host-bound step of the real
+    model (one 16-token sequence a micro-batch) within 2x of it, measured here; GEMMs alone plan
+    it at a fraction."""
+    import collections
+    import statistics
+    import time
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from components.models import build_model, token_loss
+    from components.parallel.checkpointing import apply_activation_checkpointing
+    from components.precision import recipe
+    from components.preflight import bench
+    from components.preflight.plan import plan
+    from components.train.optim import build_optimizer
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    cpu = torch.device("cpu")
+    model_cfg = defaults("model", name="t", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=128, max_seq_len=64, rope_theta=10000.0, tie_embeddings=False,
+                         family="llama", num_experts=0, experts_per_token=0, router_aux_loss_coef=0.0)  # fmt: skip
+    train = defaults("train", precision="fp8", activation_checkpointing="full", micro_batch_size=1,
+                     grad_accum_steps=2, loss_chunk_tokens=0)  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as one training process of the tiny run
+    try:
+        net = build_model(model_cfg, 512, 0)
+        precision = recipe("fp8")
+        precision.apply(net, train, cpu)
+        apply_activation_checkpointing(net, train.activation_checkpointing, train.ac_every_n_blocks)
+        optimizer = build_optimizer(net, train)
+        batch = torch.randint(0, 512, (1, bench.PROXY_TOKENS + 1))
+
+        def step():
+            for _ in range(train.grad_accum_steps):
+                with precision.autocast(cpu, False):
+                    logits = net(input_ids=batch[:, :-1]).logits
+                token_loss(logits, batch[:, 1:], 0).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), train.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        timed_step = bench.host_step(model_cfg, train, cpu)
+        with Ops() as real:
+            for _ in range(3):
+                step()
+        with Ops() as proxy:
+            for _ in range(3):
+                timed_step()
+        assert proxy.seen == real.seen, (proxy.seen - real.seen, real.seen - proxy.seen)
+        assert proxy.seen["aten.mm"] and proxy.seen["aten.sum"], proxy.seen  # Float8Linear's and the recompute's
+
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        measured = statistics.median(times)
+        tflops = bench.gemm_tflops(precision, 64, 3, cpu)
+        host = bench.host_step_s(model_cfg, train, cpu, 5)
+        planned = [
+            plan(model_cfg, train, 1, bench.PROXY_TOKENS, tflops=tflops, cuda=False, host_s=h) for h in (host, None)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    with_host, gemms_alone = (p.step_time_s / measured for p in planned)
+    assert 0.5 <= with_host <= 2.0 and gemms_alone < 0.5, (with_host, gemms_alone, measured)
