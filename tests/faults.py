@@ -42,7 +42,8 @@ def fault_env(**faults) -> dict[str, str]:
     as one repeated token (a corrupted data window); weights_dir: every rank writes the sha256 of
     its parameters' bytes there as it exits; perturb_rank/perturb_step/perturb_param/perturb_value:
     that rank's weight-gradient matmul is off by the value in one element, once (a transient
-    compute fault)."""
+    compute fault); host_reads_dir: not a fault, a probe: every rank counts its reads of a
+    device value back to the host, per step, into <dir>/rank<r>.json (`count_host_reads`)."""
     return {PLUGIN_ENV: "tests.faults", FAULTS_ENV: json.dumps(faults)}
 
 
@@ -118,6 +119,8 @@ def install(job, state) -> None:
 
     if f.get("record_dir"):  # every block this rank trains on, by its global sample number
         record_batches(job, Path(f["record_dir"]))
+    if f.get("host_reads_dir"):
+        count_host_reads(job, Path(f["host_reads_dir"]))
 
     def tick(step: int) -> None:
         if job.rank == f.get("hang_rank", -1) and step == f.get("hang_step"):
@@ -135,6 +138,44 @@ def install(job, state) -> None:
             raise NotFound(f"no version {RAISED_VERSION} of checkpoint/tiny in the store")
 
     job.on_step.append(tick)
+
+
+def count_host_reads(job, out: Path) -> None:
+    """Every read of a tensor's value by the host in this rank's training thread, counted per
+    step: `aten._local_scalar_dense` (what `.item()`, `float()`, `int()` and `bool()` of a tensor
+    dispatch: on a GPU each waits for the launch queue to drain) seen by a dispatch mode entered
+    here for the rest of the process, and `Tensor.tolist` (which reads the storage without
+    dispatching). A step's reads are those from its `on_step` to the next's (its settling and
+    checks included); the counts so far are written at each step's start."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[int, int] = {}
+    current = [0]
+
+    def read() -> None:
+        counts[current[0]] = counts.get(current[0], 0) + 1
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                read()
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self):
+        read()
+        return tolist(self)
+
+    torch.Tensor.tolist = counted_tolist
+    Reads().__enter__()  # for the rest of the process, in the thread that trains
+    out.mkdir(parents=True, exist_ok=True)
+
+    def mark(step: int) -> None:
+        current[0] = step
+        (out / f"rank{job.rank}.json").write_text(json.dumps(counts))
+
+    job.on_step.insert(0, mark)
 
 
 def flip_bit(job, at_step: int, name: str, bit: int = 12) -> None:

@@ -244,8 +244,8 @@ MUTATIONS = [
     Mutation(
         "pp: the step's loss averaged over every rank, not the last stage's",
         "components/train/worker.py",
-        "    step_loss = loss_total / job.dims.loss_holders()  #",
-        "    step_loss = loss_total / job.world  #",
+        "    step_loss = loss_and_pending[0].double() / job.dims.loss_holders()  #",
+        "    step_loss = loss_and_pending[0].double() / job.world  #",
         ("tests/train/test_pipeline.py::test_pipeline_schedules_train_the_losses_and_weights_of_one_process",),
     ),
     Mutation(
@@ -806,8 +806,8 @@ MUTATIONS = [
     Mutation(
         "moe: the step record carries no expert load",
         "components/train/worker.py",
-        '    balance = {"expert_load": [n / routed for n in expert_tokens]} if routed else {}',
-        "    balance = {}",
+        '            **({"expert_load": [n / routed for n in expert_tokens]} if routed else {}),',
+        "            **{},",
         ("tests/train/test_moe.py::test_a_mixture_of_experts_trains_under_fsdp_and_ddp_and_exports_a_plain_mixtral",),
     ),
     Mutation(
@@ -914,6 +914,69 @@ MUTATIONS = [
         "        host_s=host_s,\n",
         "",
         ("tests/preflight/test_preflight.py::test_two_node_preflight_measures_everything_and_passes",),
+    ),
+    Mutation(
+        "step: the loss read back to the host every step (the queue drains on a GPU)",
+        "components/train/worker.py",
+        "    comm_s = time.perf_counter() - t_comm\n",
+        "    loss_and_pending.tolist()\n    comm_s = time.perf_counter() - t_comm\n",
+        (
+            "tests/train/test_host_reads.py::test_a_plain_step_reads_nothing_back_and_a_settling_step_reads_once[bf16-ddp]",
+        ),
+    ),
+    Mutation(
+        "training: transformers builds the causal mask per forward (its packed-sequence check reads a value back)",
+        "components/train/job.py",
+        "    attend_causally(model)  # packed blocks: no mask, no host read per forward\n",
+        "",
+        (
+            "tests/train/test_host_reads.py::test_a_plain_step_reads_nothing_back_and_a_settling_step_reads_once[fp8-fsdp]",
+        ),
+    ),
+    Mutation(
+        "profiler: it looks for a request between settling steps",
+        "components/train/profiler.py",
+        "            self._finish(step)\n\n    def settled(self, step: int) -> None:\n",
+        "            self._finish(step)\n        self.settled(step)\n\n    def settled(self, step: int) -> None:\n",
+        (
+            "tests/train/test_host_reads.py::test_a_plain_step_reads_nothing_back_and_a_settling_step_reads_once[bf16-ddp]",
+        ),
+    ),
+    Mutation(
+        "guards: a spike under skip is applied (not masked on the device)",
+        "components/train/guards.py",
+        "            passed = passed & ~spike\n",
+        "            passed = passed\n",
+        (
+            "tests/train/test_guards.py::test_the_device_guards_judge_against_the_recent_median_and_mask_the_optimizer_step",
+        ),
+    ),
+    Mutation(
+        "optimizer: the guards' decision does not mask the step",
+        "components/train/optim.py",
+        "    optimizer.found_inf = (~stepped).to(torch.float32)\n",
+        "    optimizer.found_inf = torch.zeros_like(stepped, dtype=torch.float32)\n",
+        (
+            "tests/train/test_guards.py::test_the_device_guards_judge_against_the_recent_median_and_mask_the_optimizer_step",
+        ),
+    ),
+    Mutation(
+        "guards: the device's running median is the lower middle, not statistics.median",
+        "components/train/guards.py",
+        "        median = torch.nanquantile(ring, 0.5)  # statistics.median's: the two middles' mean\n",
+        "        median = torch.nanmedian(ring)\n",
+        (
+            "tests/train/test_guards.py::test_the_device_guards_judge_against_the_recent_median_and_mask_the_optimizer_step",
+        ),
+    ),
+    Mutation(
+        "guards: every loss joins the device's ring, a skipped spike too",
+        "components/train/guards.py",
+        "        count += join.long()\n",
+        "        count += 1\n",
+        (
+            "tests/train/test_guards.py::test_the_device_guards_judge_against_the_recent_median_and_mask_the_optimizer_step",
+        ),
     ),
 ]
 

@@ -170,7 +170,7 @@ class TrainConfig:
     run_dir: str = MISSING  # logs, metrics and exports, one subdirectory per training identity
     checkpoint_dir: str | None = MISSING  # None: <run_dir>/<identity>/checkpoints; shared storage in a cluster
     loss_scaling: bool = MISSING  # dynamic loss scaling (GradScaler); for fp16-range gradients
-    log_interval: int = MISSING
+    log_interval: int = MISSING  # step lines every n steps: the settling steps, where the host reads values back
     val_interval: int = MISSING  # steps between val-loss measurements on fixed held-out blocks; 0 = off
     on_nonfinite: Guard = MISSING  # what a non-finite step does (rollback: after max_bad_steps in a row)
     max_bad_steps: int = MISSING  # consecutive non-finite steps before rolling back

@@ -79,6 +79,26 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
     return spec_for(cfg).build(cfg, vocab_size, seed)
 
 
+CAUSAL_SDPA = "liftoff_causal_sdpa"  # transformers' SDPA attention under a name no mask is made for
+
+
+def attend_causally(model: nn.Module) -> None:
+    """Train on packed blocks as they are: causal attention over the whole block, no padding and
+    no document mask, so no mask is built. Under its own `sdpa` name, transformers builds the
+    causal mask per forward and first checks the position ids for packed sequences, a host read
+    of a device value every forward (on a GPU: the launch queue drains). Registered under a name
+    the mask interface does not know, the same SDPA function gets no mask and runs `is_causal`.
+    Training only: the saved config drops the implementation, and evaluation (padded batches)
+    builds its own model with masks."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    config = model.config
+    if config._attn_implementation == "sdpa":
+        AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+        config._attn_implementation = CAUSAL_SDPA
+
+
 def transformer_blocks(model: nn.Module) -> nn.Module:
     return spec_of(model).blocks(model)
 

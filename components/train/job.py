@@ -15,7 +15,7 @@ import torch
 from components.config import ModelConfig, TrainConfig
 from components.distributed import init_distributed
 from components.model_math import planned_flops_per_token
-from components.models import build_model, spec_of, token_loss
+from components.models import attend_causally, build_model, spec_of, token_loss
 from components.parallel import ParallelDims
 from components.parallel.apply import parallelize
 from components.parallel.pipeline import Pipeline
@@ -121,6 +121,7 @@ def build_job(spec: TrainSpec) -> Job:
     dp, dp_rank = dims.dp, dims.dp_rank(rank)
     sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, dp, dp_rank, train.seed)
     model = build_model(model_cfg, model_cfg.vocab_size or vocab, train.seed).to(device)
+    attend_causally(model)  # packed blocks: no mask, no host read per forward
     seq_len = blocks.block_len - 1
     n_flops = active_flops(model_cfg, vocab, seq_len)
     precision.apply(model, train, device)
@@ -176,7 +177,7 @@ def build_job(spec: TrainSpec) -> Job:
         tokens_per_step=train.micro_batch_size * train.grad_accum_steps * dims.dp * seq_len,
         flops_per_token=n_flops,
         float8_modules=float8,
-        guards=Guards(train),
+        guards=Guards(train, device),
         pipeline=Pipeline.of(model, train, device),
         grad_norms=LocalGradNorms(model if train.sdc_interval > 0 else None, world),
     )

@@ -34,23 +34,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_and_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    max_norm: float,
-    scaler: torch.amp.GradScaler | None,
-    pp_group=None,
-) -> tuple[float, bool]:
-    """Unscale (if scaling), clip the global grad norm, step if every gradient is finite.
-
-    Returns (grad norm of the unscaled gradients, whether the optimizer stepped).
-    With a scaler, a non-finite step backs the scale off instead of stepping. Under pipeline
-    parallelism a rank holds only its stages' gradients: the norm is summed over `pp_group`.
-    """
+def clip(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+         scaler: torch.amp.GradScaler | None, pp_group=None) -> torch.Tensor:  # fmt: skip
+    """Unscale (if scaling) and clip the gradients to the global norm; the norm, on the device.
+    Under pipeline parallelism a rank holds only its stages' gradients: the norm is summed over
+    `pp_group`. Nothing is read back to the host."""
     import torch.distributed as dist
 
     if scaler is not None:
-        scaler.unscale_(optimizer)
+        scaler.unscale_(optimizer)  # records its own found-inf for `update`
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -60,16 +52,39 @@ def clip_and_step(
         norm = squares.sqrt().to(norm.dtype)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    finite = bool(torch.isfinite(norm))
-    if scaler is not None:
-        scale_before = scaler.get_scale()
-        scaler.step(optimizer)  # skipped inside when it found inf/nan
-        scaler.update()
-        stepped = finite and scaler.get_scale() >= scale_before
-    elif finite:
+    return norm
+
+
+def masked_step(optimizer: torch.optim.Optimizer, stepped: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:
+    """The optimizer step where `stepped` (a device bool) holds, none where it does not, decided
+    on the device: the fused AdamW kernel skips every update (and its step count) where its
+    `found_inf` is 1, as it does for a GradScaler. With a scaler, the scale backs off where
+    unscaling found an inf. Then the gradients are freed."""
+    optimizer.found_inf = (~stepped).to(torch.float32)
+    try:
         optimizer.step()
-        stepped = True
-    else:
-        stepped = False
+    finally:
+        del optimizer.found_inf
+    if scaler is not None:
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def clip_and_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    scaler: torch.amp.GradScaler | None,
+    pp_group=None,
+) -> tuple[float, bool]:
+    """`clip` then a step where every gradient is finite, decided on the host: (the norm, whether
+    it stepped), read back. For any optimizer (the benchmarks', the unit tests'); training
+    decides with its guards on the device (`masked_step`)."""
+    norm = clip(model, optimizer, max_norm, scaler, pp_group)
+    stepped = bool(torch.isfinite(norm))
+    if stepped:
+        optimizer.step()
+    if scaler is not None:
+        scaler.update()  # backs off where unscaling found an inf
     optimizer.zero_grad(set_to_none=True)
     return float(norm), stepped

@@ -71,7 +71,8 @@ class _Active:
 
 
 class Profiler:
-    """Every rank: `on_step(step)` as each step starts (a `Job.on_step` hook), `close(step)` at the end."""
+    """Every rank: `on_step(step)` as each step starts (a `Job.on_step` hook), `settled(step)` after
+    the loop settled a step, `close(step)` at the end."""
 
     def __init__(self, store, identity: str, model_name: str, dataset: str, rank: int, poll_steps: int, device):
         self.store, self.identity, self.model_name, self.dataset = store, identity, model_name, dataset
@@ -79,16 +80,24 @@ class Profiler:
         self.active: _Active | None = None
         self.served: set[str] = set()
         self.published: list[str] = []  # refs of the profiles this run published (rank 0)
+        self.polled = -poll_steps  # the step of the last look: the first settled step looks
 
     def on_step(self, step: int) -> None:
         if self.active is not None and step >= self.active.start + int(self.active.request["steps"]):
             self._finish(step)
-        if self.active is None and (step - 1) % self.poll_steps == 0:
+
+    def settled(self, step: int) -> None:
+        """After the loop settled `step` (its device values read back: the queue is empty): look
+        for a request once `train.profile_poll_steps` steps have passed since the last look, and
+        trace from the next step. Never between settling steps: the broadcast of what rank 0
+        found reads a device tensor's size back on a GPU (the launch queue would drain)."""
+        if self.active is None and step - self.polled >= self.poll_steps:
+            self.polled = step
             found = [self._poll() if self.rank == 0 else None]
             dist.broadcast_object_list(found, src=0)  # every rank starts at the same step
             if found[0] is not None:
                 request, raw = found[0]
-                self._start(request, raw if self.rank == 0 else None, step)
+                self._start(request, raw if self.rank == 0 else None, step + 1)
 
     def close(self, step: int) -> None:
         """The run ends inside a profile: publish the steps traced so far (every rank)."""

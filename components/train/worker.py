@@ -1,10 +1,11 @@
 """The training process torchrun starts on every rank: `python -m components.train.worker --spec-b64 ...`.
 
-`main` reads top to bottom: set up the job -> resume -> for each step: `train_step`, log,
+`main` reads top to bottom: set up the job -> resume -> for each step: `train_step`; at a
+settling step (log, check, checkpoint) `settle` reads the unsettled steps back and logs them,
 `act_on_findings` (a spike's or non-finite step's rollback or halt), the SDC check,
-`checkpoint` -> `finish` (export, result). `train_step` is the whole step on one
-screen: micro-batches forward/backward, all ranks agree on the loss, then clip and step
-(or skip a non-finite step).
+`checkpoint` -> `finish` (export, result). `train_step` is the whole step on one screen:
+micro-batches forward/backward, all ranks agree on the loss, the guards decide on the device,
+then clip and a masked step: nothing read back, so a GPU's launch queue never drains.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,7 @@ from components.train.handback import describe, finish, hand_back, training_fact
 from components.train.job import Job, TrainState, build_job, forward_loss, micro_loss
 from components.train.monitor import DeviceTimer, StepLine, device_peak_tflops, peak_memory_bytes, step_text
 from components.train.nonfinite import earliest_culprit, first_nonfinite_module
-from components.train.optim import clip_and_step, lr_at, set_lr
+from components.train.optim import clip, lr_at, masked_step, set_lr
 from components.train.profiler import Profiler
 from components.train.resume import Resumed, find_resume_checkpoint
 from components.train.rollback import quarantine_rank, restore_state, roll_back
@@ -64,8 +66,25 @@ def resume(job: Job, state: TrainState) -> Resumed | None:
     return found
 
 
-def train_step(job: Job, state: TrainState) -> dict:
-    """One optimizer step. The only host<->device syncs: the loss_and_pending loss and the grad norm."""
+@dataclass
+class Unsettled:
+    """A step the device has been given but the host has not read back: its figures are device
+    tensors until `settle` reads every unsettled step's at once."""
+
+    step: int
+    first_sample: int  # the global sample its first micro-batch began at
+    samples: int  # the data position after it
+    first_batch: torch.Tensor  # replayed to name the culprit module if it turns out non-finite
+    forward: DeviceTimer
+    device: torch.Tensor  # float64: loss, grad norm, passed, stepped, spike, median, pending ranks, expert tokens...
+    host: dict  # what the host knows already: timings, lr, peak memory
+    done: float = 0.0  # perf_counter when the host finished it
+
+
+def train_step(job: Job, state: TrainState) -> Unsettled:
+    """One optimizer step, decided on the device: micro-batches forward/backward, all ranks agree
+    on the loss (an all-reduce, never read back here), the guards judge it and the optimizer step
+    is masked by their decision. No host read of a device value: `settle` reads them later."""
     t0, first_sample = time.perf_counter(), state.samples
     accum, forward, data_s = job.train.grad_accum_steps, DeviceTimer(job.device), 0.0
     loss_sum = torch.zeros((), device=job.device)
@@ -98,62 +117,110 @@ def train_step(job: Job, state: TrainState) -> dict:
     loss_and_pending = torch.cat([torch.stack([loss_sum, torch.full((), pending, device=job.device)]), load])
     with job.collectives.collective("all_reduce", "loss", state.step):
         dist.all_reduce(loss_and_pending)
-    loss_total, pending_ranks, *expert_tokens = loss_and_pending.tolist()
     comm_s = time.perf_counter() - t_comm
-    step_loss = loss_total / job.dims.loss_holders()  # every rank of the last stage holds a loss
+    step_loss = loss_and_pending[0].double() / job.dims.loss_holders()  # every rank of the last stage holds a loss
 
     t_opt = time.perf_counter()
     set_lr(job.optimizer, lr_at(state.step - 1, job.train))
-    # every rank has the same all-reduced loss and recent losses, so all take one branch
-    finding = job.guards.judge(step_loss)
-    if finding is None or finding.apply:
-        pp_group = job.pipeline.group if job.pipeline is not None else None
-        grad_norm, stepped = clip_and_step(job.model, job.optimizer, job.train.grad_clip, job.scaler, pp_group)
-        job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)
-    else:  # dropped before the optimizer, whatever the gradients look like
-        job.optimizer.zero_grad(set_to_none=True)
-        if job.scaler is not None and finding.kind == "nonfinite":
-            job.scaler.update(job.scaler.get_scale() * job.scaler.get_backoff_factor())
-        grad_norm, stepped = math.nan, False
+    # every rank has the same all-reduced loss, norm and recent losses, so all decide alike
+    pp_group = job.pipeline.group if job.pipeline is not None else None
+    norm = clip(job.model, job.optimizer, job.train.grad_clip, job.scaler, pp_group)
+    decision = job.guards.decide(step_loss, norm)
+    masked_step(job.optimizer, decision.stepped, job.scaler)
+    job.recipe.after_optimizer_step(job.model, job.train, job.fsdp)  # a skipped step's scales are the same
+    job.guards.join(step_loss, decision)
     opt_s = time.perf_counter() - t_opt
-    spike = record_outcome(job, state, finding, stepped, step_loss, grad_norm, first_batch, first_sample)
+    grad_norm = torch.where(decision.passed, norm.double(), math.nan)  # a dropped step has none
+    decided = (decision.passed, decision.stepped, decision.spike)
+    pending_ranks = loss_and_pending[1].double()
+    flags = torch.stack([step_loss, grad_norm, *(f.double() for f in decided), decision.median, pending_ranks])
     step_s = time.perf_counter() - t0
-    routed = sum(expert_tokens)
-    balance = {"expert_load": [n / routed for n in expert_tokens]} if routed else {}  # each expert's share
-    return {
-        **balance,
-        "step": state.step,
-        "loss": step_loss,
-        "grad_norm": grad_norm,
+    host = {
         "lr": job.optimizer.param_groups[0]["lr"],
-        "stepped": stepped,
-        "spike": spike,
-        "skipped_steps": state.skipped,
-        "tokens_per_s": job.tokens_per_step / step_s,
         "step_s": step_s,
         "data_s": data_s,
         "fwd_bwd_s": step_s - comm_s - opt_s - data_s,
         "optimizer_s": opt_s,
         "comm_s": comm_s,
-        "forward_s": forward.seconds(),
         "peak_memory_bytes": peak_memory_bytes(job.device),
-        "checkpoint_pending_ranks": pending_ranks,
-        "time": time.time(),
     }
+    device = torch.cat([flags, loss_and_pending[2:].double()])
+    return Unsettled(state.step, first_sample, state.samples, first_batch, forward, device, host, time.perf_counter())
 
 
-def record_outcome(job: Job, state: TrainState, finding, stepped: bool, step_loss: float, grad_norm: float,
-                   first_batch, first_sample: int) -> bool:  # fmt: skip
-    """The loop's state and the events after the optimizer's decision; True for a spike."""
-    spike = finding is not None and finding.kind == "spike"
+def settles_at(job: Job, step: int) -> bool:
+    """Whether the loop reads its unsettled steps back after `step`: where it logs, checks
+    (stragglers, validation, SDC) or checkpoints, at the last step, and every step of a run that
+    logs every step or scales its loss (GradScaler's scale is read)."""
+    t = job.train
+    return (
+        step % t.log_interval == 0
+        or step == t.steps
+        or step % t.straggler_interval == 0
+        or step % t.checkpoint_interval == 0
+        or validates_at(step, t.val_interval, t.steps)
+        or sdc.due(step, t)
+        or job.scaler is not None
+    )
+
+
+def settle(job: Job, state: TrainState, steps: list[Unsettled], line: StepLine, settled_at: float) -> dict | None:
+    """Read every unsettled step's figures back at once (the one host read in `train.log_interval`
+    steps) and do, step by step, what the host does after a step: its findings (events, the
+    loop's state), its record (metrics, the step line), the async checkpoint's publication, a
+    rollback or a halt. The last step's record; None when the run rewound (the steps after the
+    one that rewound it are dropped: the rewind goes back past them). On a GPU the host ran ahead
+    of the device: each step's time is the interval's mean."""
+    values = torch.stack([u.device for u in steps]).tolist()
+    now, current = time.perf_counter(), (state.step, state.samples)
+    record = None
+    for u, v in zip(steps, values, strict=True):
+        loss, grad_norm, passed, stepped, spike, median, pending_ranks, *expert_tokens = v
+        state.step, state.samples = u.step, u.samples  # as the step left them
+        step_s = (now - settled_at) / len(steps) if job.device.type == "cuda" else u.host["step_s"]
+        record_outcome(job, state, bool(spike), bool(stepped), loss, grad_norm, median, u)
+        routed = sum(expert_tokens)
+        record = {
+            **({"expert_load": [n / routed for n in expert_tokens]} if routed else {}),  # each expert's share
+            "step": u.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": u.host["lr"],
+            "stepped": bool(stepped),
+            "spike": bool(spike),
+            "skipped_steps": state.skipped,
+            "tokens_per_s": job.tokens_per_step / step_s,
+            **u.host,
+            "step_s": step_s,
+            "forward_s": u.forward.seconds(),
+            "checkpoint_pending_ranks": pending_ranks,
+            "time": time.time() - (now - u.done),
+        }
+        record["mfu"] = line.mfu(record["tokens_per_s"])
+        record.update(job.checkpointer.seconds)
+        job.monitor.log_step(record)
+        if job.rank == 0 and (figures := line.add(record)):
+            log.info(step_text(figures))
+            events.emit("step", **figures)
+        if job.checkpointer.has_pending and pending_ranks == 0:
+            job.checkpointer.finish_pending()  # on disk everywhere: seal and publish it
+        if act_on_findings(job, state, record):
+            return None  # rewound: on from the checkpoint's step
+    state.step, state.samples = current
+    return record
+
+
+def record_outcome(job: Job, state: TrainState, spike: bool, stepped: bool, step_loss: float, grad_norm: float,
+                   median: float, u: Unsettled) -> None:  # fmt: skip
+    """The loop's state and the events after the device's decision on step `u`."""
     if spike:
-        state.spike_from = state.spike_from if state.spikes_in_row else (state.step, first_sample)
-        state.spike_row = (state.spike_row if state.spikes_in_row else []) + [(state.step, step_loss)]
+        state.spike_from = state.spike_from if state.spikes_in_row else (u.step, u.first_sample)
+        state.spike_row = (state.spike_row if state.spikes_in_row else []) + [(u.step, step_loss)]
         state.spikes_in_row += 1
         state.skipped += not stepped
-        job.monitor.event("loss_spike", step=state.step, loss=step_loss, running_median=finding.median,
+        job.monitor.event("loss_spike", step=u.step, loss=step_loss, running_median=median,
                           factor=job.train.loss_spike_factor, action=job.train.on_spike.value,
-                          samples=[first_sample, state.samples])  # fmt: skip
+                          samples=[u.first_sample, u.samples])  # fmt: skip
         if job.monitor.exporter is not None:
             job.monitor.exporter.spike()
     else:
@@ -165,17 +232,16 @@ def record_outcome(job: Job, state: TrainState, finding, stepped: bool, step_los
     elif not spike:
         state.skipped += 1
         state.bad_in_row += 1
-        mine = first_nonfinite_module(job.model, lambda b=first_batch: micro_loss(job, b))
+        mine = first_nonfinite_module(job.model, lambda b=u.first_batch: micro_loss(job, b))
         culprit = earliest_culprit(mine, spec_of(job.model))
         job.monitor.event(
             "nonfinite_step",
-            step=state.step,
+            step=u.step,
             loss=step_loss,
             grad_norm=grad_norm,
             skipped_total=state.skipped,
             first_nonfinite_module=culprit,
         )
-    return spike
 
 
 def act_on_findings(job: Job, state: TrainState, record: dict) -> bool:
@@ -308,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         events.emit("training", **facts)
         if job.device.type != "cuda" and job.float8_modules:
             log.info("fp8 on CPU is emulated: it checks the numerics, its speed means nothing")
+    unsettled: list[Unsettled] = []  # steps whose figures are still on the device
+    settled_at = time.perf_counter()
     while state.step < job.train.steps:
         state.step += 1
         step = state.step
@@ -315,17 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         for hook in job.on_step:
             hook(step)
         job.grad_norms.arm(sdc.due(step, job.train))  # the local gradient norms a check compares
-        record = train_step(job, state)
-        record["mfu"] = line.mfu(record["tokens_per_s"])
-        record.update(job.checkpointer.seconds)
-        job.monitor.log_step(record)
-        if job.rank == 0 and (figures := line.add(record)):
-            log.info(step_text(figures))
-            events.emit("step", **figures)
-        if job.checkpointer.has_pending and record["checkpoint_pending_ranks"] == 0:
-            job.checkpointer.finish_pending()  # on disk everywhere: seal and publish it
-        if act_on_findings(job, state, record):
+        unsettled.append(train_step(job, state))
+        if not settles_at(job, step):
+            continue
+        record = settle(job, state, unsettled, line, settled_at)
+        unsettled, settled_at = [], time.perf_counter()
+        if record is None:
             continue  # rewound: on from the checkpoint's step
+        profiler.settled(step)
         if step % job.train.straggler_interval == 0:
             quarantine_stragglers(job, job.monitor.check_stragglers(step), step)
         if validates_at(step, job.train.val_interval, job.train.steps):

@@ -173,3 +173,45 @@ def test_skipped_windows_merge_and_the_sample_order_jumps_over_them():
     assert windows == [[8, 24]] and guards.add_window(windows, 40, 48) == [[8, 24], [40, 48]]
     assert [guards.past_skipped(s, 8, [[8, 24], [24, 32]]) for s in (0, 8, 20, 32)] == [0, 32, 32, 32]
     assert guards.past_skipped(4, 8, [[8, 24]]) == 24  # a micro-batch straddling the window's start
+
+
+def test_the_device_guards_judge_against_the_recent_median_and_mask_the_optimizer_step():
+    """Issue 40, point 6: the guards decide on the device, and the optimizer step is masked by
+    their decision. (1) The ring's running median is `statistics.median` of the losses the host
+    keeps (odd and even counts, after it wraps past RECENT); (2) a spike under `skip` and a
+    non-finite step leave a real fused AdamW's weights and step count as they were, a spike under
+    `log` and a plain step move them; (3) a skipped spike never joins the median."""
+    import statistics
+
+    import torch
+
+    from components.config import defaults
+    from components.train.optim import build_optimizer, clip, masked_step
+
+    def run(on_spike: str, losses: list[float]) -> tuple[list, list, list]:
+        train = defaults("train", on_spike=on_spike, on_nonfinite="skip", loss_spike_factor=1.5, lr=0.1)
+        g, model = guards.Guards(train), torch.nn.Linear(4, 4)
+        optimizer = build_optimizer(model, train)
+        medians, moved, expected = [], [], []
+        for loss in losses:
+            model(torch.ones(1, 4)).sum().backward()
+            before = model.weight.detach().clone()
+            t = torch.tensor(loss, dtype=torch.float64)
+            d = g.decide(t, clip(model, optimizer, 1.0, None))
+            masked_step(optimizer, d.stepped, None)
+            g.join(t, d)
+            if d.stepped or d.spike:
+                g.stepped(loss, bool(d.spike))  # the host's list, as the loop's settling keeps it
+            medians.append(float(d.median))
+            expected.append(statistics.median(g.losses) if g.losses else float("nan"))
+            moved.append((bool(d.spike), bool(d.stepped), not torch.equal(before, model.weight)))
+        return medians, moved, expected
+
+    losses = [2.0 + 0.01 * (i % 7) for i in range(63)]
+    medians, moved, expected = run("skip", [*losses[:12], 9.0, float("nan"), *losses[12:]])
+    assert medians[1:] == pytest.approx(expected[:-1], rel=0, abs=1e-12)  # each step judged against those before it
+    assert moved[12] == (True, False, False) and moved[13] == (False, False, False)  # spike, NaN: weights kept
+    assert all(m == (False, True, True) for i, m in enumerate(moved) if i not in (12, 13))
+    assert max(expected[12:]) < 2.1  # the skipped spike never joined the median
+    _, logged, _ = run("log", [*losses[:12], 9.0])
+    assert logged[12] == (True, True, True)  # a logged spike is applied
