@@ -30,9 +30,9 @@ def main() -> None:
     from components.config import defaults
     from components.launcher import free_port
     from components.models import build_model
+    from components.optimizer import build_optimizer
     from components.store import open_store
     from components.train.checkpoint import Checkpointer, StoreTarget
-    from components.train.optim import build_optimizer
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -99,11 +99,12 @@ def run_case(model_name: str, precision: str, recipe_name: str, ac_every: int, m
     from components.devices import peak_tflops
     from components.model_math import flops_per_token, mfu
     from components.models import build_model, count_params
+    from components.optimizer import build_optimizer
     from components.parallel.apply import apply_compile
     from components.parallel.checkpointing import apply_activation_checkpointing
     from components.precision import recipe
     from components.preflight.plan import plan
-    from components.train.optim import build_optimizer, clip_and_step
+    from components.train.optim import clip_and_step
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_cfg = preset(model_name)

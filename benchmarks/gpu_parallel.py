@@ -42,12 +42,13 @@ def run(layout: str, precision: str, model_name: str, ac_every: int, micro: int,
     from components.devices import peak_tflops
     from components.model_math import flops_per_token, mfu
     from components.models import build_model, count_params, token_loss
+    from components.optimizer import build_optimizer
     from components.parallel import ParallelDims
     from components.parallel.apply import parallelize
     from components.parallel.tensor import loss_scope
     from components.precision import recipe
     from components.train.handback import wrapped_modules
-    from components.train.optim import build_optimizer, clip_and_step
+    from components.train.optim import clip_and_step
 
     cuda = torch.cuda.is_available()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

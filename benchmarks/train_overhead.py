@@ -67,10 +67,10 @@ def bare_loop(store_root: str, cache_dir: str, dataset: str) -> None:
 
     from components.config import compose, defaults
     from components.models import build_model
+    from components.optimizer import build_optimizer
     from components.store import Ref, open_store
     from components.stream import open_split
     from components.train.data import BlockSampler
-    from components.train.optim import build_optimizer
 
     cfg = OmegaConf.to_object(compose([f"data.paths=[{CORPUS}]", *SHAPE]))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

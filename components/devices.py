@@ -16,20 +16,24 @@ cards 20-40) and across nodes the network's per GPU (one 400 Gb/s NIC per GPU, a
 H100, H200, B200 and MI300X nodes have: 50 GB/s; A100 nodes 200 Gb/s: 25; L40S/PCIe
 servers assumed at 100-200 Gb/s). Preflight measures the real figure (`allreduce_busbw_gbps_*`).
 
-Efficiency: the fraction of the dense bf16 peak the FLOPs of a training step (its
-recomputation counted) run at, per precision recipe (`efficiency_for`), the rate `liftoff plan`
-times compute at; communication is timed apart and only what compute cannot hide is added
-(components/preflight/plan.py). H100 / H200 / GH200 (one Hopper die, the same peak): FITTED on
-torchtitan's Table 1 (benchmarks/published_h100.json, rows 8b-fsdp8-*: Llama 3.1 8B, FSDP over
-one node of 8 H100s, seq 8192, selective checkpointing, where communication is hidden) so that
-the planned step is the published one: bf16 compiled 0.425, bf16 eager 0.368, fp8 tensorwise
-(compiled, fp8 all-gather) 0.544; fp8 rowwise: bf16 compiled x 1.115, torchtitan's own
-side-by-side on 8 H100s (pytorch/torchtitan@7a04053, its message: 5,760 tokens/s bf16 compiled,
-6,424 rowwise fp8, 7,186 tensorwise). A recipe run eager runs at the bf16 eager / compiled ratio
-of its compiled figure (an assumption: torchtitan publishes fp8 compiled only). A100: 0.52 for
-bf16, Narayanan et al. SC'21 (Megatron on 3,072 A100s: 163 TFLOP/s per GPU for a 1T model,
-recomputation counted). The others have no figure in these sources: 0.40, labelled an
-assumption; on them and on the A100 the recipes keep the H100's ratios to bf16 compiled.
+Efficiency: the fraction of the dense bf16 peak a step's FLOPs run at (its recomputation
+counted), in two parts the planner times apart (components/preflight/plan.py): the linear layers'
+matmuls, at the precision recipe's rate (`efficiency_for`), and attention's scores and values,
+which flash attention runs in bf16 whatever the recipe (`attention_efficiency_for`; counted as
+PaLM does, 12·L·h·s a token, the causal half it skips included). Communication is timed apart and
+only what compute cannot hide is added. H100 / H200 / GH200 (one Hopper die, the same peak):
+FITTED on three of torchtitan's rows (benchmarks/published_h100.json), where communication is
+hidden, so that the planned step is the published one: Table 1's 8B compiled bf16 and fp8
+tensorwise rows (seq 8192, attention 20% of the FLOPs) and Table 2's fp8 row at seq 32k (54%)
+solve for linear bf16 0.418, linear fp8 tensorwise (compiled, fp8 all-gather) 0.572 and attention
+0.454. fp8 rowwise's linear rate is bf16's x 1.146, what makes a whole step 1.115x bf16 compiled's
+at Table 1's attention share: torchtitan's own side-by-side on 8 H100s (pytorch/torchtitan@7a04053,
+its message: 5,760 tokens/s bf16 compiled, 6,424 rowwise fp8, 7,186 tensorwise). A step run
+eager runs at Table 1's bf16 eager / compiled ratio, 0.866 (an assumption for fp8: torchtitan
+publishes fp8 compiled only). A100: 0.52 for bf16, Narayanan et al. SC'21 (Megatron on 3,072
+A100s: 163 TFLOP/s per GPU for a 1T model, recomputation counted), for both parts. The others
+have no figure in these sources: 0.40, labelled an assumption; on them and on the A100 the
+recipes keep the H100's ratios to bf16 compiled.
 """
 
 from __future__ import annotations
@@ -44,22 +48,23 @@ class Device:
     memory_gb: float
     intra_node_busbw_gbps: float  # assumed all-reduce bus bandwidth per GPU within a node
     inter_node_busbw_gbps: float  # ... and across nodes (the network per GPU)
-    efficiency: float = 0.40  # the fraction of the bf16 peak a compiled bf16 step runs at (see above)
+    efficiency: float = 0.40  # the fraction of the bf16 peak compiled bf16 linear layers run at (see above)
     efficiency_source: str = "assumed: no published pretraining MFU for this device in the table's sources"
+    attention: float | None = None  # ... and attention (flash, bf16); None: `efficiency`
 
 
-TITAN_H100 = "fitted on torchtitan's Table 1, Llama 3.1 8B on 8 H100s (benchmarks/published_h100.json)"
+TITAN_H100 = "fitted on torchtitan's Tables 1-2, Llama 3.1 8B on 8 H100s (benchmarks/published_h100.json)"
 MEGATRON_A100 = "Megatron on 3,072 A100s (Narayanan et al., SC'21: 52% of peak, a 1T model)"
 
-# each recipe's rate against bf16 compiled's on the same device: FITTED on torchtitan's Table 1
-# (8B on 8 H100s: 5,762 eager, 6,667 compiled bf16 and 8,532 fp8 tensorwise tokens/s per GPU at
-# the same FLOPs), rowwise from pytorch/torchtitan@7a04053 (6,424 against 5,760 bf16 compiled)
+# each recipe's linear-layer rate against bf16 compiled's on the same device: FITTED on
+# torchtitan's Tables 1-2 (tensorwise 0.572 / 0.418), rowwise from pytorch/torchtitan@7a04053
+# (a whole step 6,424 against 5,760 bf16 compiled tokens/s, at 20% attention FLOPs)
 RECIPE_RATIO = {
     "fp32": 0.5,
     "bf16": 1.0,
-    "fp8_tensorwise": 1.280,
-    "fp8_rowwise": 1.115,
-    "fp8_rowwise_with_gw_hp": 1.115,
+    "fp8_tensorwise": 1.370,
+    "fp8_rowwise": 1.146,
+    "fp8_rowwise_with_gw_hp": 1.146,
 }
 EAGER_RATIO = 0.866  # eager / compiled, bf16 (Table 1: 5,762 / 6,667 tokens/s); fp32 runs TF32 at about half bf16
 
@@ -67,9 +72,9 @@ EAGER_RATIO = 0.866  # eager / compiled, bf16 (Table 1: 5,762 / 6,667 tokens/s);
 # First match wins, so the more specific names come first ("GH200" before "H200").
 DEVICES: list[Device] = [
     Device("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}, 80.0, 40.0, 25.0),
-    Device("H100", {"bf16": 989.4, "fp8": 1978.9}, 80.0, 400.0, 50.0, 0.425, TITAN_H100),  # SXM
-    Device("GH200", {"bf16": 989.4, "fp8": 1978.9}, 96.0, 400.0, 50.0, 0.425, TITAN_H100),
-    Device("H200", {"bf16": 989.4, "fp8": 1978.9}, 141.0, 400.0, 50.0, 0.425, TITAN_H100),
+    Device("H100", {"bf16": 989.4, "fp8": 1978.9}, 80.0, 400.0, 50.0, 0.418, TITAN_H100, 0.454),  # SXM
+    Device("GH200", {"bf16": 989.4, "fp8": 1978.9}, 96.0, 400.0, 50.0, 0.418, TITAN_H100, 0.454),
+    Device("H200", {"bf16": 989.4, "fp8": 1978.9}, 141.0, 400.0, 50.0, 0.418, TITAN_H100, 0.454),
     Device("B200", {"bf16": 2250.0, "fp8": 4500.0}, 180.0, 800.0, 50.0),
     Device("A100-SXM4-40GB", {"bf16": 312.0}, 40.0, 230.0, 25.0, 0.52, MEGATRON_A100),
     Device("A100-PCIE-40GB", {"bf16": 312.0}, 40.0, 25.0, 25.0),
@@ -96,9 +101,14 @@ def recipe_key(train) -> str:
 
 
 def efficiency_for(base: float, train, compiled: bool) -> float:
-    """The fraction of the bf16 peak a step of this recipe runs at on a device whose compiled
-    bf16 figure is `base`: the recipe's ratio (RECIPE_RATIO), times EAGER_RATIO uncompiled."""
+    """The fraction of the bf16 peak the linear layers of this recipe run at on a device whose
+    compiled bf16 figure is `base`: the recipe's ratio (RECIPE_RATIO), times EAGER_RATIO uncompiled."""
     return base * RECIPE_RATIO[recipe_key(train)] * (1.0 if compiled else EAGER_RATIO)
+
+
+def attention_efficiency_for(d: Device, compiled: bool) -> float:
+    """The fraction of the bf16 peak attention runs at on `d` (bf16 whatever the recipe)."""
+    return (d.attention or d.efficiency) * (1.0 if compiled else EAGER_RATIO)
 
 
 def peak_tflops(device_name: str, dtype: str = "bf16") -> float | None:

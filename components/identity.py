@@ -45,6 +45,7 @@ NOT_IDENTITY = {
     "dp_replicate",  # HSDP's layout, as the world size
     "tp",  # tensor parallelism's layout: DCP reshards its checkpoints into any other
     "sequence_parallel",  # how tp splits activations: rounding, not the math; the same parameter names
+    "async_tp",  # when tp's collectives run beside the matmuls: the same math
     "loss_chunk_tokens",  # the loss's memory: the same cross-entropy, summed in chunks
     "pp",  # pipeline parallelism's layout, as tp: a stage saves the full model's names
     "pp_schedule",  # the order micro-batches run in: the same averaged gradient

@@ -732,8 +732,8 @@ MUTATIONS = [
     Mutation(
         "preflight: the step timed at bf16's GEMM speed whatever the precision (emulated fp8 is slower)",
         "components/preflight/stage.py",
-        "    dtype = gemm_dtype(measured, precision)\n    busbw",
-        '    dtype = "bf16"\n    busbw',
+        "    dtype = gemm_dtype(measured, precision)\n    attention =",
+        '    dtype = "bf16"\n    attention =',
         ("tests/pipeline/test_run_output.py::test_the_plan_times_the_step_within_2x_of_the_run_and_claims_no_mfu",),
     ),
     Mutation(
@@ -852,8 +852,8 @@ MUTATIONS = [
     Mutation(
         "planner: data-parallel communication added to compute, none hidden",
         "components/preflight/plan.py",
-        "        exposed += unhidden(data_parallel, compute, share.layers)\n",
-        "        exposed += data_parallel\n",
+        "        exposed = waits + unhidden(data_parallel, compute, share.layers)\n",
+        "        exposed = waits + data_parallel\n",
         (
             "tests/preflight/test_plan.py::test_fsdp_on_128_gpus_plans_the_published_few_percent_under_8_not_the_sum_of_its_traffic",
         ),
@@ -977,6 +977,27 @@ MUTATIONS = [
         (
             "tests/train/test_guards.py::test_the_device_guards_judge_against_the_recent_median_and_mask_the_optimizer_step",
         ),
+    ),
+    Mutation(
+        "planner: async TP's collectives wait in full, as plain TP's",
+        "components/preflight/plan.py",
+        "        waits += (tp_s / tp + max(tp_s - compute_s, 0.0)) if train.async_tp else tp_s\n",
+        "        waits += tp_s\n",
+        ("tests/test_benchmarks.py::test_the_planner_holds_to_torchtitans_published_rows",),
+    ),
+    Mutation(
+        "planner: attention timed at the linear layers' rate (fp8's, where flash attention runs bf16)",
+        "components/preflight/plan.py",
+        "        per_token = (fpt + recompute - attention) / tflops + attention / attention_tflops\n",
+        "        per_token = (fpt + recompute) / tflops\n",
+        ("tests/test_benchmarks.py::test_the_planner_holds_to_torchtitans_published_rows",),
+    ),
+    Mutation(
+        "config: async TP composes for a CPU run",
+        "components/config/rules.py",
+        '            rules.append(("train.async_tp", cluster.gpu > 0, why))\n',
+        '            rules.append(("train.async_tp", True, why))\n',
+        ("tests/test_config.py::test_async_tp_off_a_cuda_tp_run_fails_at_compose",),
     ),
 ]
 

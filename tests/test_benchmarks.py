@@ -81,31 +81,38 @@ def test_stream_reader_benchmark_runs_small_and_reports_both_ratios():
 
 def test_planner_vs_published_plans_every_published_row_and_reports_the_shares():
     """`python -m benchmarks planner_vs_published`: every row of the data file planned, each with
-    its tokens/s and memory ratios against the publication, the not-expressible tables listed."""
+    its tokens/s ratio (and its memory ratio where the publication gives one), the not-expressible
+    tables listed."""
     data = json.loads((ROOT / "benchmarks" / "published_h100.json").read_text())
     proc = subprocess.run([sys.executable, "-m", "benchmarks.planner_vs_published"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["rows"] == len(data["rows"]) and 0 <= last["value"] <= 1 and 0 <= last["memory_share"] <= 1
-    assert {f"tps_{r['id']}" for r in data["rows"]} | {f"mem_{r['id']}" for r in data["rows"]} <= set(last)
+    memory = {f"mem_{r['id']}" for r in data["rows"] if "memory_gib" in r}  # the rows that publish it
+    assert {f"tps_{r['id']}" for r in data["rows"]} | memory <= set(last)
     assert sum(ln.startswith("not planned: ") for ln in proc.stdout.splitlines()) == len(data["not_expressible"])
 
 
 def test_the_planner_holds_to_torchtitans_published_rows():
-    """Issue 40, acceptance 1 in part: `liftoff plan` of each published H100 run in
-    benchmarks/published_h100.json (torchtitan's tables as liftoff overrides). Memory (the
-    reserved peak) within +-15% on at least 80% of the rows, no run that completed called "does
-    not fit", and tokens/s within +-15% on the rows no constant was fitted to among the 8B ones
-    (128 GPUs: the overlap model; seq 32k: fp8 with full checkpointing at 4x the sequence)."""
+    """Issue 40, acceptance 1: `liftoff plan` of each published H100 run in
+    benchmarks/published_h100.json (torchtitan's tables as liftoff overrides): tokens/s within
+    +-15% on at least 80% of the rows, memory (the reserved peak) on at least 80% of those that
+    publish it, and no run that completed called "does not fit". The three rows the efficiencies
+    were fitted on (components/devices.py) come back within 2%; async TP plans each published
+    speedup's direction (its rows faster than their vanilla twins)."""
     from benchmarks.planner_vs_published import DATA, planned_rows, within
 
     rows = {r["id"]: r for r in planned_rows(json.loads(DATA.read_text()))}
     assert all(r["fits"] for r in rows.values()), [k for k, r in rows.items() if not r["fits"]]
-    assert sum(within(r["memory_ratio"]) for r in rows.values()) >= 0.8 * len(rows), rows
-    for key in ("8b-fsdp128-bf16", "8b-fsdp128-bf16-compile", "8b-fsdp128-fp8-compile", "8b-fsdp8-fp8-seq32k"):
-        assert within(rows[key]["tps_ratio"]), (key, rows[key]["tps_ratio"])
-    assert within(rows["8b-fsdp8-fp8-compile"]["tps_ratio"]) and within(rows["8b-fsdp8-bf16"]["tps_ratio"])
+    ratios = {k: round(r["tps_ratio"], 3) for k, r in rows.items()}
+    assert sum(within(r) for r in ratios.values()) >= 0.8 * len(rows), ratios
+    memory = [r["memory_ratio"] for r in rows.values() if r["memory_ratio"] is not None]
+    assert sum(within(r) for r in memory) >= 0.8 * len(memory), memory
+    for fitted in ("8b-fsdp8-bf16-compile", "8b-fsdp8-fp8-compile", "8b-fsdp8-fp8-seq32k"):
+        assert abs(ratios[fitted] - 1) <= 0.02, (fitted, ratios[fitted])
+    for vanilla in ("70b-fsdp32-tp8-fp8", "70b-fsdp32-tp8-bf16-2506", "70b-fsdp32-tp8-fp8-2506"):
+        assert rows[vanilla + "-asynctp"]["planned_tps"] > 1.05 * rows[vanilla]["planned_tps"], (vanilla, ratios)
 
 
 def test_liftoff_plan_says_torchtitans_table_1_run_fits_on_the_cards_it_ran_on():

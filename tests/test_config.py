@@ -241,6 +241,26 @@ def test_each_group_judges_its_own_keys():
 
 
 @pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train.async_tp=true"], "train.async_tp: needs train.tp > 1 (tensor parallelism to overlap), got 1"),
+        (["train.async_tp=true", "train.tp=2", "cluster.nodes=2", "train.compile=false"],
+         "train.async_tp: needs train.compile (inductor's micro-pipeline pass rewrites the compiled blocks)"),
+        (["train.async_tp=true", "train.tp=2", "cluster.nodes=2"],
+         "train.async_tp: needs CUDA GPUs (symmetric memory), got cluster.gpu=0 per replica"),
+    ],
+)  # fmt: skip
+def test_async_tp_off_a_cuda_tp_run_fails_at_compose(overrides, message):
+    """Async TP rewrites compiled tp blocks over CUDA symmetric memory: without tp, compile or
+    GPUs it is refused before anything runs; on a GPU cluster with all three it composes."""
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    assert message in str(err.value)
+    gpus = ["cluster=kubernetes", "cluster.gpu=2", "cluster.nodes=1", "cluster.procs_per_node=2", "train.tp=2"]
+    assert compose([*gpus, "train.async_tp=true"]).train.async_tp
+
+
+@pytest.mark.parametrize(
     "override,message",
     [
         ("train.lr=inf", "train.lr: must be a finite number > 0, got inf"),

@@ -155,6 +155,13 @@ def train_rules(train: TrainConfig, cluster: ClusterConfig | None = None, model:
         why = (f"{tp} with train.parallelism=ddp needs the world size {world} to be {whole} (DDP does not replicate "
                "tensor-parallel DTensors): use train.parallelism=fsdp to add data parallelism")  # fmt: skip
         rules.append(("train.tp", train.parallelism != "ddp" or world % whole or world == whole, why))
+    if train.async_tp:  # inductor's micro-pipeline TP pass, over CUDA symmetric memory
+        rules.append(("train.async_tp", tp > 1, f"needs train.tp > 1 (tensor parallelism to overlap), got {tp}"))
+        rules.append(("train.async_tp", train.compile is not False,
+                      "needs train.compile (inductor's micro-pipeline pass rewrites the compiled blocks)"))  # fmt: skip
+        if cluster is not None:
+            why = f"needs CUDA GPUs (symmetric memory), got cluster.gpu={cluster.gpu} per replica"
+            rules.append(("train.async_tp", cluster.gpu > 0, why))
     if tp > 1 and train.precision == "fp8":  # torchao's float8 TP styles cast inputs tensorwise
         got = train.fp8_recipe.value
         why = f"{tp} with fp8 needs train.fp8_recipe=tensorwise (torchao's float8 TP styles), got {got}"

@@ -141,6 +141,9 @@ class TrainConfig:
     # under tp: norms and residual stream sharded along the sequence, the head's logits over the
     # vocabulary through a loss-parallel cross-entropy (components/parallel/dims.py: where it applies)
     sequence_parallel: bool = MISSING
+    # under tp: each collective overlapped with the matmul beside it (inductor's micro-pipeline
+    # pass over symmetric memory; compile and CUDA only): the planner hides tp's traffic under compute
+    async_tp: bool = MISSING
     # the cross-entropy over chunks of this many tokens, each checkpointed: the fp32 logits and
     # their gradients exist a chunk at a time (components/models/token_loss); 0: all at once
     loss_chunk_tokens: int = MISSING

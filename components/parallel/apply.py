@@ -36,10 +36,28 @@ def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch
 
         sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")
         apply_tp(model, mesh["tp"], sp)
+        if train.async_tp:
+            enable_async_tp(mesh["tp"], device)
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every_n_blocks)
     if train.compile if train.compile is not None else device.type == "cuda":
         apply_compile(model)
     return wrap(model, dims, device, precision, mesh)
+
+
+def enable_async_tp(tp_mesh, device: torch.device) -> None:
+    """torchtitan's async TP: the tp group's buffers in symmetric memory and inductor's
+    micro-pipeline pass, which splits each all-gather (reduce-scatter) and the matmul after
+    (before) it into chunks that overlap, in the blocks `apply_compile` compiles next."""
+    if device.type != "cuda":
+        raise RuntimeError(f"train.async_tp needs CUDA GPUs (symmetric memory), this rank runs on {device}")
+    import warnings
+
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated once torch registers the group itself
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    torch._inductor.config._micro_pipeline_tp = True
 
 
 def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: torch.device, precision: Recipe, mesh):
@@ -51,6 +69,8 @@ def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: tor
     sharded = dims.fsdp
     stage_sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")
     pp_rank = mesh["pp"].get_local_rank()
+    if dims.tp > 1 and train.async_tp:
+        enable_async_tp(mesh["tp"], device)
     chunks, ids = build_stages(model, pp_rank, dims.pp, train.pp_schedule, lambda: precision.autocast(device, sharded))
     wrapped = []
     for chunk in chunks:

@@ -132,10 +132,10 @@ def host_step(model: ModelConfig, train: TrainConfig, device: torch.device):
     backward, clipping and the optimizer step, under the run's precision recipe, activation
     checkpointing, chunked loss and fused AdamW, on PROXY_TOKENS tokens per micro-batch."""
     from components.models import build_model, token_loss
+    from components.optimizer import build_optimizer
     from components.parallel.checkpointing import apply_activation_checkpointing
     from components.parallel.dims import pipeline_microbatches
     from components.precision import recipe
-    from components.train.optim import build_optimizer
 
     net = build_model(proxy_model(model, train), PROXY_VOCAB, train.seed).to(device)
     precision = recipe(train.precision)

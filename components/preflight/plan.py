@@ -344,6 +344,15 @@ def recomputed_flops(model: ModelConfig, train: TrainConfig, n_blocks: int, seq_
     return checkpointed(model.num_layers, train) / L * (2 * n_blocks + 4 * L * h * seq_len)
 
 
+def attention_flops(model: ModelConfig, train: TrainConfig, seq_len: int) -> float:
+    """Of a token's training FLOPs (its recomputation counted), attention's scores and values
+    (12·L·h·s as PaLM counts them; a fully checkpointed block's forward again, 4·h·s; selective
+    checkpointing never redoes attention): flash attention runs them in bf16 whatever the recipe."""
+    h, L = model.num_heads * (model.hidden_size // model.num_heads), model.num_layers
+    again = checkpointed(L, train) if train.activation_checkpointing == ActivationCheckpointing.full else 0
+    return 12 * L * h * seq_len + 4 * again * h * seq_len
+
+
 def comm_bytes(tensors: list[tuple[str, int, bool]], precision: Recipe, train: TrainConfig) -> float:
     """Bytes one rank sends per step before the ring's (W-1)/W: DDP all-reduces the fp32
     gradients (2 x 4N); FSDP all-gathers the compute-dtype parameters in forward and backward
@@ -434,6 +443,7 @@ def plan(
     pp_busbw_gbps: float | None = None,
     cuda: bool = True,
     host_s: float | None = None,
+    attention_tflops: float | None = None,
 ) -> Plan:
     """`busbw_gbps`: the bus bandwidth of the data-parallel group (for HSDP, of a shard group);
     `replicate_busbw_gbps`: HSDP's across its replicas; `tp_busbw_gbps`: a tp group's (None:
@@ -447,7 +457,8 @@ def plan(
     if train.pp > 1:  # the micro-batches the schedule runs (the step's batch split into >= pp of them)
         micro, size = pipeline_microbatches(train)
         train = replace(train, grad_accum_steps=micro, micro_batch_size=size)
-    bw = (tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps, tp_busbw_gbps, pp_busbw_gbps)
+    bw = (tflops, attention_tflops or tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps, tp_busbw_gbps,
+          pp_busbw_gbps)  # fmt: skip
     sp = sequence_parallel(train, model.tie_embeddings, cuda)
     plans = [_plan_rank(model, train, world, seq_len, share, sp, *bw) for share in pipeline_shares(model, train)]
     chosen = max(plans, key=lambda p: p.total_gb)
@@ -465,7 +476,8 @@ def with_host(p: Plan, host_s: float, cuda: bool) -> Plan:
     return replace(p, step_time_s=step, tokens_per_s=p.tokens_per_s * scale, mfu=mfu_, host_s=host_s)
 
 
-def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, busbw_gbps, replicate_busbw_gbps,
+def _plan_rank(model, train, world, seq_len, share, sp, tflops, attention_tflops, peak_tflops, busbw_gbps,
+               replicate_busbw_gbps,
                tp_busbw_gbps, pp_busbw_gbps) -> Plan:  # fmt: skip
     tp, pp = train.tp, train.pp
     full = param_tensors(model)
@@ -492,7 +504,7 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
         total = weights + optimizer + copies + max(grads, acts)
     else:
         total = weights + grads + optimizer + copies + acts
-    h, s, b = model.hidden_size, seq_len, train.micro_batch_size
+    s, b = seq_len, train.micro_batch_size
     fpt = planned_flops_per_token(model, s)
     n_blocks = sum(active(model, kind, k) for kind, k, _ in full if kind in BLOCK_KINDS)  # what a token multiplies
     recompute = recomputed_flops(model, train, n_blocks, s)
@@ -501,23 +513,20 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
         tokens_per_replica = b * train.grad_accum_steps * s  # what one data-parallel rank (its tp ranks) reads
         micro_stages = train.grad_accum_steps * PIPELINE_SCHEDULES.get(train.pp_schedule, 1)
         bubble = (micro_stages + pp - 1) / micro_stages if pp > 1 else 1.0  # idle while the pipeline fills, drains
-        compute = (fpt + recompute) * tokens_per_replica / tp / pp * bubble / (tflops * 1e12)
-        data_parallel = exposed = 0.0  # FSDP's / DDP's, hidden under compute; the rest waits
+        attention = attention_flops(model, train, s)  # of fpt + recompute: flash attention's, in bf16
+        per_token = (fpt + recompute - attention) / tflops + attention / attention_tflops
+        compute = per_token * tokens_per_replica / tp / pp * bubble / 1e12
+        data_parallel = 0.0  # FSDP's / DDP's: hidden under compute, but what outlasts it
         if dp > 1 and busbw_gbps:  # without a bus bandwidth, communication is left out
             group = shard if sharded else dp
             data_parallel = comm_bytes(tensors, precision, train) * (group - 1) / group / (busbw_gbps * GB)
             if replicas > 1:  # HSDP: each step's gradient shard all-reduced across the replicas
                 across = 2 * (replicas - 1) / replicas * 4 * n / shard
                 data_parallel += across / ((replicate_busbw_gbps or busbw_gbps) * GB)
-        if tp > 1 and (tp_busbw_gbps or busbw_gbps):
-            tp_bw = (tp_busbw_gbps or busbw_gbps) * GB
-            exposed += tp_comm_bytes(model, train, s, precision, sp, share) * (tp - 1) / tp / tp_bw
-        if pp > 1 and (pp_bw := pp_busbw_gbps or replicate_busbw_gbps or busbw_gbps):
-            c = precision.compute_bytes
-            sends = 2 * micro_stages * b * s * h * c / tp  # activations forward, their gradients backward
-            exposed += sends / (pp_bw * GB)
-        comm = data_parallel + exposed
-        exposed += unhidden(data_parallel, compute, share.layers)
+        links = (tp_busbw_gbps or busbw_gbps, pp_busbw_gbps or replicate_busbw_gbps or busbw_gbps)
+        model_parallel, waits = model_parallel_comm(model, train, s, sp, share, compute, micro_stages, *links)
+        comm = data_parallel + model_parallel
+        exposed = waits + unhidden(data_parallel, compute, share.layers)
         step = compute + exposed
         tps = tokens_per_replica * dp / step
         utilization = mfu(tps, fpt, peak_tflops, world)  # against a published peak only, never a measured one
@@ -540,6 +549,26 @@ def _plan_rank(model, train, world, seq_len, share, sp, tflops, peak_tflops, bus
         comm_s=comm,
         exposed_comm_s=exposed if tflops else None,
     )
+
+
+def model_parallel_comm(model: ModelConfig, train: TrainConfig, seq_len: int, sp: bool, share: PipelineShare,
+                        compute_s: float, micro_stages: int, tp_gbps: float | None,
+                        pp_gbps: float | None) -> tuple[float, float]:  # fmt: skip
+    """(seconds of TP's and PP's traffic a step, the seconds of it the step waits for): TP's
+    per-layer collectives wait in full, but under async TP, where each runs in tp chunks beside
+    its matmul's (over NVLink, not the network FSDP's traffic takes), only its first chunk and
+    what outlasts compute wait; PP's sends (activations forward, their gradients backward) wait."""
+    tp, traffic, waits = train.tp, 0.0, 0.0
+    if tp > 1 and tp_gbps:
+        tp_s = tp_comm_bytes(model, train, seq_len, recipe(train.precision), sp, share) * (tp - 1) / tp / (tp_gbps * GB)
+        traffic += tp_s
+        waits += (tp_s / tp + max(tp_s - compute_s, 0.0)) if train.async_tp else tp_s
+    if train.pp > 1 and pp_gbps:
+        c = recipe(train.precision).compute_bytes
+        pp_s = 2 * micro_stages * train.micro_batch_size * seq_len * model.hidden_size * c / tp / (pp_gbps * GB)
+        traffic += pp_s
+        waits += pp_s
+    return traffic, waits
 
 
 def reserved_gb(p: Plan, headroom: float) -> float:

@@ -21,8 +21,9 @@ class PlanDevice:
     memory_source: str
     peak_tflops: float | None
     peak_source: str
-    efficiency: float  # the fraction of the peak compute is timed at (components/devices.py)
+    efficiency: float  # the fraction of the peak the linear layers are timed at (components/devices.py)
     efficiency_source: str
+    attention_efficiency: float  # ... and attention (bf16 flash attention whatever the recipe)
     busbw_gbps: float | None
     busbw_source: str
 
@@ -33,7 +34,7 @@ def plan_device(cfg) -> PlanDevice:
     runs at the table's efficiency of it for the recipe (`efficiency_for`: precision, fp8
     scaling, compiled or eager; an assumed 0.40 for bf16 on a device not in it). Bus
     bandwidth: the table's assumption for one node or for the network across nodes."""
-    from components.devices import Device, busbw_gbps, device, efficiency_for, recipe_key
+    from components.devices import Device, attention_efficiency_for, busbw_gbps, device, efficiency_for, recipe_key
 
     gpu = cfg.cluster.gpu_type
     spec = device(gpu) if gpu else None
@@ -47,6 +48,7 @@ def plan_device(cfg) -> PlanDevice:
     peak, peak_source = published_peak(cfg.train, cfg.cluster)
     compiled = cfg.train.compile if cfg.train.compile is not None else bool(gpu)  # None: compiled on GPUs
     efficiency = efficiency_for(spec.efficiency if spec else Device.efficiency, cfg.train, compiled)
+    attention = attention_efficiency_for(spec or Device("", {}, 0.0, 0.0, 0.0), compiled)
     efficiency_source = (
         f"{recipe_key(cfg.train)}{'' if compiled else ', eager'}: "
         f"{spec.efficiency_source if spec else Device.efficiency_source}"
@@ -60,8 +62,9 @@ def plan_device(cfg) -> PlanDevice:
     else:
         busbw, busbw_source = None, "unknown without cluster.gpu_type: communication left out"
     return PlanDevice(
-        gpu or "this host", memory, memory_source, peak, peak_source, efficiency, efficiency_source, busbw, busbw_source
-    )
+        gpu or "this host", memory, memory_source, peak, peak_source, efficiency, efficiency_source, attention, busbw,
+        busbw_source,
+    )  # fmt: skip
 
 
 def published_peak(train, cluster) -> tuple[float | None, str]:
@@ -90,6 +93,7 @@ def plan_for(cfg) -> tuple[Plan, PlanDevice]:
         cfg.data.seq_len,
         vocab,
         tflops=d.peak_tflops * d.efficiency if d.peak_tflops else None,
+        attention_tflops=d.peak_tflops * d.attention_efficiency if d.peak_tflops else None,
         peak_tflops=d.peak_tflops,
         busbw_gbps=shard_group_busbw(cfg, d),
         replicate_busbw_gbps=d.busbw_gbps,

@@ -88,7 +88,8 @@ def format_inputs(cfg, p: Plan, d: PlanDevice, seq_source: str) -> str:
         ("device", d.name),
         ("device memory", f"{gib(d.memory_gb):.1f} GiB: {d.memory_source}"),
         ("peak", f"{d.peak_tflops:g} TFLOP/s: {d.peak_source}" if d.peak_tflops else d.peak_source),
-        ("efficiency", f"compute at {d.efficiency:.0%} of peak, MFU <= {d.efficiency:.0%}: {d.efficiency_source}"),
+        ("efficiency", f"linear layers at {d.efficiency:.0%} of peak, attention at {d.attention_efficiency:.0%}: "
+                       f"{d.efficiency_source}"),
         ("bus bandwidth", busbw + d.busbw_source),
     ])  # fmt: skip
 

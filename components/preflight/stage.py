@@ -94,15 +94,19 @@ def gemm_dtype(nodes: list[NodeMeasurement], precision: Precision) -> str:
     return name if all(name in n.gemm_tflops for n in nodes) else "bf16"
 
 
-def plan_inputs(nodes: list[dict], precision: Precision) -> tuple[float, float | None, float | None]:
-    """Achieved TFLOP/s of the compute dtype (slowest node), the largest message's bus bandwidth
-    and the host's step at a negligible size (slowest node; None where not measured)."""
+def plan_inputs(nodes: list[dict], precision: Precision) -> tuple[float, float, float | None, float | None]:
+    """Achieved TFLOP/s of the precision's GEMM (the linear layers') and of its compute dtype's
+    (attention's: bf16 under fp8) on the slowest node, the largest message's bus bandwidth and
+    the host's step at a negligible size (slowest node; None where not measured)."""
     measured = [NodeMeasurement.of(n) for n in nodes]
     dtype = gemm_dtype(measured, precision)
+    attention = "fp32" if recipe(precision).compute_dtype == "float32" else "bf16"
+    attention = attention if all(attention in n.gemm_tflops for n in measured) else dtype
     busbw = [n.largest_busbw_gbps for n in measured]
     host = [n.host_step_s for n in measured]
     return (
         min(n.gemm_tflops[dtype] for n in measured),
+        min(n.gemm_tflops[attention] for n in measured),
         min(busbw) if None not in busbw else None,
         max(host) if None not in host else None,
     )
@@ -330,7 +334,7 @@ def run_preflight(
     reference = numerics.reference(nodes, bench.accelerator(torch.device("cpu"))) if cfg.numerics_s > 0 else None
     verdicts = judge(nodes, cfg, floors, floors_from, reference, outliers_for(cfg, local))
     healthy_nodes = [n for n, v in zip(nodes, verdicts, strict=True) if v.healthy] or nodes
-    tflops, busbw, host_s = plan_inputs(healthy_nodes, train.precision)
+    tflops, attention_tflops, busbw, host_s = plan_inputs(healthy_nodes, train.precision)
     device_gb = cfg.device_memory_gb or min(n["device_memory_gb"] for n in nodes)
     stats = store.manifest(Ref.parse(dataset)).metadata.get("stats", {}) if dataset else {}  # no data download
     vocab, seq_len = stats.get("vocab_size"), stats.get("seq_len", model.max_seq_len)
@@ -342,6 +346,7 @@ def run_preflight(
         seq_len,
         vocab,
         tflops=tflops,
+        attention_tflops=attention_tflops,
         peak_tflops=published_peak(train, cluster)[0],
         busbw_gbps=busbw if world > 1 else None,
         tp_busbw_gbps=tp_group_busbw(train, cluster),  # the table's NVLink: preflight measures the world's

@@ -16,6 +16,7 @@ from components.config import ModelConfig, TrainConfig
 from components.distributed import init_distributed
 from components.model_math import planned_flops_per_token
 from components.models import attend_causally, build_model, spec_of, token_loss
+from components.optimizer import build_optimizer
 from components.parallel import ParallelDims
 from components.parallel.apply import parallelize
 from components.parallel.pipeline import Pipeline
@@ -30,7 +31,6 @@ from components.train.grad_norms import LocalGradNorms
 from components.train.guards import Guards
 from components.train.monitor import Monitor, Watchdog
 from components.train.nonfinite import clean_name
-from components.train.optim import build_optimizer
 from components.train.prometheus import exporter_for
 from components.train.spec import TrainSpec
 from components.worker_side import REPORT_CONTEXT
@@ -148,7 +148,6 @@ def build_job(spec: TrainSpec) -> Job:
     )
     float8 = [clean_name(n) for n in precision.describe(model, train)["float8_linear_modules"]]  # the live model
     tracker = Tracker()
-    node = os.environ.get("NODE_NAME") or socket.gethostname()
     REPORT_CONTEXT.append(lambda: {"node": node, "collective": tracker.state()})  # in every failure report
     attempt = int(os.environ.get("LIFTOFF_ATTEMPT", "0"))
     watchdog.hand_back = lambda record: hand_back_hang(store, spec.launch_id, attempt, rank, record)

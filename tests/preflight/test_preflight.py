@@ -429,11 +429,11 @@ def test_the_host_step_preflight_times_dispatches_the_ops_of_the_runs_step_and_t
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from components.models import build_model, token_loss
+    from components.optimizer import build_optimizer
     from components.parallel.checkpointing import apply_activation_checkpointing
     from components.precision import recipe
     from components.preflight import bench
     from components.preflight.plan import plan
-    from components.train.optim import build_optimizer
 
     class Ops(TorchDispatchMode):
         def __init__(self):

@@ -186,7 +186,8 @@ def test_the_device_guards_judge_against_the_recent_median_and_mask_the_optimize
     import torch
 
     from components.config import defaults
-    from components.train.optim import build_optimizer, clip, masked_step
+    from components.optimizer import build_optimizer
+    from components.train.optim import clip, masked_step
 
     def run(on_spike: str, losses: list[float]) -> tuple[list, list, list]:
         train = defaults("train", on_spike=on_spike, on_nonfinite="skip", loss_spike_factor=1.5, lr=0.1)

@@ -64,6 +64,7 @@ BOOKKEEPING = {
     "dp_replicate": 2,
     "tp": 2,
     "sequence_parallel": False,
+    "async_tp": True,
     "loss_chunk_tokens": 512,
     "pp": 2,
     "pp_schedule": "gpipe",
