@@ -208,11 +208,11 @@ def test_the_device_guards_judge_against_the_recent_median_and_mask_the_optimize
             moved.append((bool(d.spike), bool(d.stepped), not torch.equal(before, model.weight)))
         return medians, moved, expected
 
-    losses = [2.0 + 0.01 * (i % 7) for i in range(63)]
+    losses = [2.0 + 0.002 * i + 0.01 * (i % 7) for i in range(63)]  # a trend: which 50 the ring holds matters
     medians, moved, expected = run("skip", [*losses[:12], 9.0, float("nan"), *losses[12:]])
     assert medians[1:] == pytest.approx(expected[:-1], rel=0, abs=1e-12)  # each step judged against those before it
     assert moved[12] == (True, False, False) and moved[13] == (False, False, False)  # spike, NaN: weights kept
     assert all(m == (False, True, True) for i, m in enumerate(moved) if i not in (12, 13))
-    assert max(expected[12:]) < 2.1  # the skipped spike never joined the median
+    assert max(expected[12:]) < 2.2  # the skipped spike never joined the median
     _, logged, _ = run("log", [*losses[:12], 9.0])
     assert logged[12] == (True, True, True)  # a logged spike is applied
