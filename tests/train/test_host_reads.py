@@ -32,9 +32,14 @@ def reads(trainer, tmp_path, *layout: str) -> list[dict[int, int]]:
     [
         ("train.precision=fp8", "train.parallelism=fsdp", "train.activation_checkpointing=full"),
         ("train.precision=bf16", "train.parallelism=ddp", "train.activation_checkpointing=selective"),
+        # the other two of the 2 x 2: in `make chaos` (each precision and each layout runs above)
+        pytest.param(("train.precision=fp8", "train.parallelism=ddp", "train.activation_checkpointing=off"),
+                     marks=pytest.mark.chaos_slow),
+        pytest.param(("train.precision=bf16", "train.parallelism=fsdp", "train.activation_checkpointing=full"),
+                     marks=pytest.mark.chaos_slow),
     ],
-    ids=["fp8-fsdp", "bf16-ddp"],
-)
+    ids=["fp8-fsdp", "bf16-ddp", "fp8-ddp", "bf16-fsdp"],
+)  # fmt: skip
 def test_a_plain_step_reads_nothing_back_and_a_settling_step_reads_once(trainer, tmp_path, layout):
     """Counted in the training processes themselves (a dispatch mode counting
     `aten._local_scalar_dense` and a counting `Tensor.tolist`): 0 reads on each plain step of each
