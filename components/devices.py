@@ -106,9 +106,11 @@ def efficiency_for(base: float, train, compiled: bool) -> float:
     return base * RECIPE_RATIO[recipe_key(train)] * (1.0 if compiled else EAGER_RATIO)
 
 
-def attention_efficiency_for(d: Device, compiled: bool) -> float:
-    """The fraction of the bf16 peak attention runs at on `d` (bf16 whatever the recipe)."""
-    return (d.attention or d.efficiency) * (1.0 if compiled else EAGER_RATIO)
+def attention_efficiency_for(d: Device | None, compiled: bool) -> float:
+    """The fraction of the bf16 peak attention runs at on `d` (bf16 whatever the recipe); a
+    device not in the table runs it at the assumed `Device.efficiency`."""
+    base = (d.attention or d.efficiency) if d else Device.efficiency
+    return base * (1.0 if compiled else EAGER_RATIO)
 
 
 def peak_tflops(device_name: str, dtype: str = "bf16") -> float | None:

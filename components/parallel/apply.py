@@ -29,6 +29,8 @@ def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch
     from components.parallel.checkpointing import apply_activation_checkpointing
 
     mesh = dims.mesh(device.type)
+    if dims.tp > 1 and train.async_tp:  # before any block is compiled, pipelined or not
+        enable_async_tp(mesh["tp"], device)
     if dims.pp > 1:
         return pipeline_rank(model, train, dims, device, precision, mesh)
     if dims.tp > 1:
@@ -36,8 +38,6 @@ def parallelize(model: torch.nn.Module, train, dims: ParallelDims, device: torch
 
         sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")
         apply_tp(model, mesh["tp"], sp)
-        if train.async_tp:
-            enable_async_tp(mesh["tp"], device)
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every_n_blocks)
     if train.compile if train.compile is not None else device.type == "cuda":
         apply_compile(model)
@@ -69,8 +69,6 @@ def pipeline_rank(model: torch.nn.Module, train, dims: ParallelDims, device: tor
     sharded = dims.fsdp
     stage_sp = sequence_parallel(train, model.config.tie_word_embeddings, device.type == "cuda")
     pp_rank = mesh["pp"].get_local_rank()
-    if dims.tp > 1 and train.async_tp:
-        enable_async_tp(mesh["tp"], device)
     chunks, ids = build_stages(model, pp_rank, dims.pp, train.pp_schedule, lambda: precision.autocast(device, sharded))
     wrapped = []
     for chunk in chunks:

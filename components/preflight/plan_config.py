@@ -48,7 +48,7 @@ def plan_device(cfg) -> PlanDevice:
     peak, peak_source = published_peak(cfg.train, cfg.cluster)
     compiled = cfg.train.compile if cfg.train.compile is not None else bool(gpu)  # None: compiled on GPUs
     efficiency = efficiency_for(spec.efficiency if spec else Device.efficiency, cfg.train, compiled)
-    attention = attention_efficiency_for(spec or Device("", {}, 0.0, 0.0, 0.0), compiled)
+    attention = attention_efficiency_for(spec, compiled)
     efficiency_source = (
         f"{recipe_key(cfg.train)}{'' if compiled else ', eager'}: "
         f"{spec.efficiency_source if spec else Device.efficiency_source}"

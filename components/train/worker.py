@@ -76,7 +76,7 @@ class Unsettled:
     samples: int  # the data position after it
     first_batch: torch.Tensor  # replayed to name the culprit module if it turns out non-finite
     forward: DeviceTimer
-    device: torch.Tensor  # float64: loss, grad norm, passed, stepped, spike, median, pending ranks, expert tokens...
+    device: torch.Tensor  # float64: loss, grad norm, stepped, spike, median, pending ranks, expert tokens...
     host: dict  # what the host knows already: timings, lr, peak memory
     done: float = 0.0  # perf_counter when the host finished it
 
@@ -131,9 +131,8 @@ def train_step(job: Job, state: TrainState) -> Unsettled:
     job.guards.join(step_loss, decision)
     opt_s = time.perf_counter() - t_opt
     grad_norm = torch.where(decision.passed, norm.double(), math.nan)  # a dropped step has none
-    decided = (decision.passed, decision.stepped, decision.spike)
-    pending_ranks = loss_and_pending[1].double()
-    flags = torch.stack([step_loss, grad_norm, *(f.double() for f in decided), decision.median, pending_ranks])
+    decided = (decision.stepped.double(), decision.spike.double(), decision.median, loss_and_pending[1].double())
+    flags = torch.stack([step_loss, grad_norm, *decided])
     step_s = time.perf_counter() - t0
     host = {
         "lr": job.optimizer.param_groups[0]["lr"],
@@ -150,8 +149,7 @@ def train_step(job: Job, state: TrainState) -> Unsettled:
 
 def settles_at(job: Job, step: int) -> bool:
     """Whether the loop reads its unsettled steps back after `step`: where it logs, checks
-    (stragglers, validation, SDC) or checkpoints, at the last step, and every step of a run that
-    logs every step or scales its loss (GradScaler's scale is read)."""
+    (stragglers, validation, SDC) or checkpoints, and at the last step."""
     t = job.train
     return (
         step % t.log_interval == 0
@@ -160,7 +158,6 @@ def settles_at(job: Job, step: int) -> bool:
         or step % t.checkpoint_interval == 0
         or validates_at(step, t.val_interval, t.steps)
         or sdc.due(step, t)
-        or job.scaler is not None
     )
 
 
@@ -175,7 +172,7 @@ def settle(job: Job, state: TrainState, steps: list[Unsettled], line: StepLine, 
     now, current = time.perf_counter(), (state.step, state.samples)
     record = None
     for u, v in zip(steps, values, strict=True):
-        loss, grad_norm, passed, stepped, spike, median, pending_ranks, *expert_tokens = v
+        loss, grad_norm, stepped, spike, median, pending_ranks, *expert_tokens = v
         state.step, state.samples = u.step, u.samples  # as the step left them
         step_s = (now - settled_at) / len(steps) if job.device.type == "cuda" else u.host["step_s"]
         record_outcome(job, state, bool(spike), bool(stepped), loss, grad_norm, median, u)
@@ -185,7 +182,6 @@ def settle(job: Job, state: TrainState, steps: list[Unsettled], line: StepLine, 
             "step": u.step,
             "loss": loss,
             "grad_norm": grad_norm,
-            "lr": u.host["lr"],
             "stepped": bool(stepped),
             "spike": bool(spike),
             "skipped_steps": state.skipped,
