@@ -11,6 +11,7 @@ BENCHMARKS = [
     "tokenize",
     "reader",
     "stream_reader",
+    "mixture_reader",
     "train_overhead",
     "hf_trainer",
     "run_checks",

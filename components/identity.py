@@ -67,15 +67,25 @@ def model_identity(model: ModelConfig) -> dict:
     return {k: v for k, v in plain.items() if not (llama and k in _FAMILY_KEYS and v == _FAMILY_KEYS[k])}
 
 
-def training_identity(dataset: str, model: ModelConfig, train: TrainConfig) -> str:
+def training_identity(dataset: str, model: ModelConfig, train: TrainConfig, mixture: dict | None = None) -> str:
+    """`mixture`: a mixture's weights and caps (`mixture_identity`); none for one source."""
     math = {k: v for k, v in as_plain_dict(train).items() if k not in NOT_IDENTITY}
     if train.resume not in ("auto", "never"):  # a seeded run continues that checkpoint's trajectory
         math["seed_checkpoint"] = train.resume
     ident = {"dataset": dataset, "model": model_identity(model), "train": math}
+    if mixture:  # a dataset of one source keeps the identity it had before mixtures
+        ident["mixture"] = mixture
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def trained_to_the_end(dataset: str, model: ModelConfig, train: TrainConfig, store: ArtifactStore) -> str | None:
+def mixture_identity(weights: dict, caps: dict) -> dict:
+    """What of a mixture decides the samples: the weights (rounded: 0.1+0.2 is 0.3) and caps."""
+    return {"weights": {k: round(v, 12) for k, v in weights.items()}, "max_epochs": caps} if weights else {}
+
+
+def trained_to_the_end(
+    dataset: str, model: ModelConfig, train: TrainConfig, store: ArtifactStore, mixture: dict | None = None
+) -> str | None:
     """The stored checkpoint at train.steps that `train.resume=auto` would continue from, all its
     objects there at their sizes: a run that resumes there trains no step (preflight skips)."""
     from components.checkpoint_fetch import step_of_manifest
@@ -83,7 +93,7 @@ def trained_to_the_end(dataset: str, model: ModelConfig, train: TrainConfig, sto
     if train.resume != "auto":
         return None
     try:
-        identity = training_identity(str(store.resolve(*_parts(dataset)).ref), model, train)
+        identity = training_identity(str(store.resolve(*_parts(dataset)).ref), model, train, mixture)
         for m in store.versions("checkpoint", model.name):
             if m.metadata.get("identity") == identity and step_of_manifest(m) == train.steps:
                 if not store.size_problems(m):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from components.config import ClusterConfig, ModelConfig, TrainConfig
+from components.config import ClusterConfig, DataConfig, ModelConfig, TrainConfig
 from components.parallel import ParallelDims
 from components.precision import recipe
 from components.store import ArtifactStore, Manifest, Ref
@@ -48,15 +48,21 @@ def check_inputs(
     cluster: ClusterConfig,
     store: ArtifactStore,
     cache_gb: float,
+    data: DataConfig | None = None,
 ) -> None:
     """Everything that would fail training, checked before anything is launched, from the
-    dataset's manifest alone (its stats and shard list): the driver downloads no data."""
+    dataset's manifest alone (its stats and shard list): the driver downloads no data. With
+    `data`, a mixture's weights too: each weighed source can feed its share of the run."""
     stats = dataset.metadata.get("stats", {})
-    largest = max(s["bytes"] for s in shard_table(dataset, "train"))
-    if cache_gb * 2**30 < 2 * largest:
+    table = shard_table(dataset, "train")
+    largest, reading = max(s["bytes"] for s in table), len({s["source"] for s in table})
+    keep = 2 if reading == 1 else 2 * reading + 1  # a mixture keeps 2 per source open (BlockSampler)
+    if cache_gb * 2**30 < keep * largest:
+        what = "two" if reading == 1 else f"{keep}"
+        per = "the shard it reads" if reading == 1 else f"the last two shards it read of each of the {reading} sources"
         raise DataFitError(
-            f"data.cache_gb={cache_gb} holds fewer than two of {dataset.ref}'s train shards (the largest is "
-            f"{largest / 2**20:.1f} MiB): each node keeps the shard it reads and the next one; raise data.cache_gb"
+            f"data.cache_gb={cache_gb} holds fewer than {what} of {dataset.ref}'s train shards (the largest is "
+            f"{largest / 2**20:.1f} MiB): each node keeps {per} and the next one; raise data.cache_gb"
         )
     if model.vocab_size is not None and model.vocab_size < stats["vocab_size"]:
         raise TrainInputError(
@@ -76,6 +82,10 @@ def check_inputs(
             f"{train.grad_accum_steps} x data-parallel world {world} = {per_step} blocks per step, but the "
             f"train split has only {n_blocks} blocks"
         )
+    if data is not None:
+        from components.mixture import check_mixture_feeds
+
+        check_mixture_feeds(data, dataset, train.steps * per_step)
     recipe(train.precision).check_model(model)
     if train.resume not in ("auto", "never"):
         ref = Ref("checkpoint", model.name, train.resume)

@@ -43,6 +43,7 @@ def shard_table(manifest: Manifest, split: str) -> list[dict]:
                 "ref": Ref.parse(s["ref"]),
                 "blocks": int(s["splits"][split]["blocks"]),
                 "bytes": int(s["splits"][split]["bytes"]),
+                "source": str(s.get("source") or manifest.ref.name),  # a mixture's rows name their source
             }
             for s in shards
         ]
@@ -76,7 +77,9 @@ class StreamingBlocks:
         self._starts = np.cumsum([0] + self.sizes)
         self.cache_dir = Path(cache_dir) / manifest.ref.name / manifest.ref.version / split
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self._open: dict[int, ShardFile] = {}  # the shard being read; only the reading thread changes it
+        self._open: dict[int, ShardFile] = {}  # the shards being read, oldest opened first; only the
+        # reading thread changes it. A mixture reads a shard of each source at once (`max_open`).
+        self.max_open = 1
         self._open_paths: set[Path] = set()
         self._ready: set[Path] = set()  # fetched by this process, not yet opened: not to evict
         self._pending: dict[int, Future] = {}
@@ -132,10 +135,10 @@ class StreamingBlocks:
         with contextlib.suppress(FileNotFoundError):  # evicted by another rank: our map stays valid
             os.utime(path)  # recency for the node's LRU
         with self._lock:
-            for old in list(self._open):  # one shard open at a time: an evicted file's space comes back
-                self._open.pop(old).close()
+            while len(self._open) >= self.max_open:  # the oldest opened closes: its space can come back
+                self._open.pop(next(iter(self._open))).close()
             self._open[shard] = f
-            self._open_paths = {path}
+            self._open_paths = {self._path(s) for s in self._open}
             self._ready.discard(path)
         return f
 

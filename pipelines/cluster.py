@@ -88,22 +88,50 @@ def source_bytes(paths: list[str], root: Path) -> int | None:
     return total
 
 
+def mixture_fit_refusal(data, samples: int, root: Path) -> str | None:
+    """One line when a capped source of a mixture cannot feed its share of the run, judged from
+    its bytes before tokenize (at most one block per `seq_len + 1` bytes): weight x samples draws
+    against data.sources.<name>.max_epochs passes. Uncapped sources repeat; a source's real
+    block count is checked again before training (components.mixture.check_mixture_feeds)."""
+    sizes = {}
+    for name in data.source_names:
+        src = data.source(name)
+        sizes[name] = None if (src.hub_name and not src.paths) else source_bytes(list(src.paths), root)
+    if any(v is None for v in sizes.values()) and not data.mixture:
+        return None  # the default weights are the sources' sizes: unknown here
+    raw = data.mixture or {n: float(s) for n, s in sizes.items()}
+    total = sum(raw.values())
+    for name, size in sizes.items():
+        cap, weight = data.sources[name].max_epochs, raw.get(name, 0.0) / total
+        if cap is None or size is None or weight == 0:
+            continue
+        most = int(cap * (size // (data.seq_len + 1)))
+        need = int(weight * samples)
+        if need > most:
+            return (
+                f"data.sources.{name}.max_epochs={cap:g}: the run draws about {need} samples of {name} (weight "
+                f"{weight:.3g} x {samples}), but its {size} bytes make at most {most} in {cap:g} pass(es); lower its "
+                "weight, raise max_epochs or train fewer steps"
+            )
+    return None
+
+
 def data_fit_refusal(data, train, cluster, root: Path) -> str | None:
     """One line when the data cannot fill one optimizer step, judged before tokenize from the
     source bytes: no tokenizer makes more than one token per byte (a byte-level BPE makes at
     most one; JSON's quoting and keys outweigh the EOS per document), so `bytes // (seq_len + 1)`
     bounds the train split's blocks from above. None when it may fit or cannot be measured
     here (a hub dataset, s3:// sources: train's check_inputs judges the tokenized dataset)."""
-    if data.hub_name and not data.paths:
-        return None
-    size = source_bytes(list(data.paths), root)
-    if size is None:
-        return None
     from components.prelaunch import blocks_per_step
 
     world, per_step = blocks_per_step(train, cluster)
     block = data.seq_len + 1
-    if size // block >= per_step:
+    if data.sources:
+        return mixture_fit_refusal(data, train.steps * per_step, root)
+    if data.hub_name and not data.paths:
+        return None
+    size = source_bytes(list(data.paths), root)
+    if size is None or size // block >= per_step:
         return None
     return (
         f"the data cannot fill one step: train.micro_batch_size={train.micro_batch_size} x "

@@ -284,6 +284,7 @@ def cmd_run(args: list[str]) -> int:
         display_path,
         expand_sweep,
         missing_sources,
+        mixture_refusal,
         multirun_folder,
         new_run_folder,
         run_local,
@@ -303,6 +304,8 @@ def cmd_run(args: list[str]) -> int:
             raise ConfigError(refusal)
         if missing := missing_sources(cfg):  # and its data: a file that is not there, before any stage
             raise ConfigError(missing)
+        if refusal := mixture_refusal(cfg):  # a capped source that cannot feed its share, from its bytes
+            raise ConfigError(refusal)
     sweep = multirun_folder() if multi else None
     rows = []
     for i, (job, (cfg, choices)) in enumerate(zip(jobs, composed, strict=True)):

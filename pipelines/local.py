@@ -50,12 +50,26 @@ def missing_sources(cfg: DictConfig) -> str | None:
     """Why the local data.paths cannot be read, in one line (None when they are all there):
     checked before the run starts, where tokenize would find it only once the pipeline ran.
     Relative paths are from the current directory, as `local_parameters` resolves them."""
-    missing = [p for p in cfg.data.paths if not p.startswith("s3://") and not Path(p).expanduser().exists()]
+    every = [*cfg.data.paths, *(p for s in cfg.data.sources.values() for p in (s.paths or []))]
+    missing = [p for p in every if not p.startswith("s3://") and not Path(p).expanduser().exists()]
     if not missing:
         return None
     relative = [p for p in missing if not Path(p).expanduser().is_absolute()]
     where = f" (relative to {Path.cwd()})" if relative else ""
     return f"data.paths: {', '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist{where}"
+
+
+def mixture_refusal(cfg: DictConfig) -> str | None:
+    """A mixture whose capped source cannot feed its share of the run, from the source bytes
+    (`pipelines.cluster.mixture_fit_refusal`); None for one source."""
+    if not cfg.data.sources:
+        return None
+    from components.prelaunch import blocks_per_step
+    from pipelines.cluster import mixture_fit_refusal
+
+    typed = OmegaConf.to_object(cfg)
+    _, per_step = blocks_per_step(typed.train, typed.cluster)
+    return mixture_fit_refusal(typed.data, typed.train.steps * per_step, Path.cwd())
 
 
 def run_local(cfg: DictConfig, folder: Path | None = None, verbose: bool = False) -> dict:
@@ -123,13 +137,16 @@ def interruption_line(cfg: DictConfig, stages: StageLines, step: int | None, sto
 
 def _newest_checkpoint(cfg: DictConfig, stages: StageLines, store) -> str | None:
     """The newest stored checkpoint of this run's training identity, once its dataset is known."""
-    from components.identity import training_identity
+    from components.identity import mixture_identity, training_identity
+    from components.mixture import draw_weights, max_epochs
 
     tokenize = stages.ends.get("tokenize")
     dataset = getattr(summaries.find(tokenize.outputs), "ref", None) if tokenize else None  # its TokenizeSummary
     if not dataset:
         return None
-    identity = training_identity(dataset, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.train))
+    data = OmegaConf.to_object(cfg.data)
+    mixture = mixture_identity(draw_weights(data, store.manifest(Ref.parse(dataset))), max_epochs(data))
+    identity = training_identity(dataset, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.train), mixture)
     mine = [m for m in store.versions("checkpoint", cfg.model.name) if m.metadata.get("identity") == identity]
     newest = max(mine, key=lambda m: (m.metadata.get("step", -1), m.created), default=None)
     return str(newest.ref) if newest is not None else None
@@ -205,9 +222,16 @@ def local_parameters(groups: dict[str, dict]) -> dict[str, dict]:
     task runs in a directory of its own; so are relative data paths (`corpus/kjv.jsonl`), which
     in a stage's image are relative to its working directory, the checkout's copy."""
     groups = {g: dict(values) for g, values in groups.items()}
-    groups["data"]["paths"] = [
-        p if p.startswith("s3://") else str(Path(p).expanduser().resolve()) for p in groups["data"]["paths"]
-    ]
+
+    def resolved(paths: list[str]) -> list[str]:
+        return [p if p.startswith("s3://") else str(Path(p).expanduser().resolve()) for p in paths]
+
+    groups["data"]["paths"] = resolved(groups["data"]["paths"])
+    sources = {name: dict(src) for name, src in groups["data"].get("sources", {}).items()}
+    for src in sources.values():
+        if "paths" in src:
+            src["paths"] = resolved(src["paths"])
+    groups["data"]["sources"] = sources
     if groups["store"]["backend"] == "local":
         groups["store"]["root"] = str(Path(groups["store"]["root"]).resolve())
     groups["train"]["run_dir"] = str(Path(groups["train"]["run_dir"]).resolve())

@@ -66,7 +66,7 @@ def build_pipeline(cfg: Any):
         planned = on_cluster(tokenize_plan(data=data, tokenizer=tokenizer, model=model, store=store), cfg, retry=False)
         planned.set_caching_options(False)  # the same config may name changed bytes: the plan hashes them
         with dsl.ParallelFor(planned.outputs["Output"], parallelism=cfg.data.parallelism) as shard:
-            sharded = on_cluster(tokenize_shard(shard=shard, data=data, store=store), cfg)
+            sharded = on_cluster(tokenize_shard(shard=shard, store=store), cfg)
         merged = on_cluster(
             tokenize_merge(
                 shards=dsl.Collected(sharded.output),

@@ -562,8 +562,8 @@ MUTATIONS = [
     Mutation(
         "render: data that cannot fill one step is sent to the cluster",
         "pipelines/cluster.py",
-        "    if size // block >= per_step:",
-        "    if size // block >= 0:",
+        "    if size is None or size // block >= per_step:",
+        "    if size is None or size // block >= 0:",
         (
             "tests/pipeline/test_cluster.py::test_the_guides_first_submit_on_the_shipped_corpus_is_refused_before_any_kfp_call",
         ),
@@ -602,7 +602,7 @@ MUTATIONS = [
     Mutation(
         "preflight: a run with no step left measures the fleet anyway",
         "components/preflight/component.py",
-        'if done := trained_to_the_end(ref, g["model"], g["train"], t.store):',
+        'if done := trained_to_the_end(ref, g["model"], g["train"], t.store, mixture):',
         "if done := None:",
         ("tests/pipeline/test_local_run.py::test_run_end_to_end_over_minio_traces_lineage_and_reuses_the_dataset",),
     ),

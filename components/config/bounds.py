@@ -110,7 +110,10 @@ BOUNDS: dict[str, str | tuple[str, str]] = {
 # a string the rules check, not an Enum) and the stages each pipeline rank holds in them
 PIPELINE_SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": 2}
 
-NOT_BOUNDED = {"data.split_seed": "any int keys the split's hash"}
+NOT_BOUNDED = {
+    "data.split_seed": "any int keys the split's hash",
+    "data.mixture": "a weight per source: rules.mixture_rules (each >= 0, not all 0)",
+}
 
 _BOUND = re.compile(r"(?P<op>>=?) (?P<low>\S+)|(?P<lb>[\[(])(?P<a>\S+), (?P<b>\S+)(?P<rb>[\])])")
 

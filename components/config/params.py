@@ -67,6 +67,8 @@ def _ints_back(schema: type, values: dict[str, Any]) -> dict[str, Any]:
         origin, args = typing.get_origin(hint), typing.get_args(hint)
         if origin is list and isinstance(value, list):
             return [fix(args[0], v) for v in value]
+        if origin is dict and isinstance(value, dict):
+            return {k: fix(args[1], v) for k, v in value.items()}
         wants_int = hint is int or (origin in (typing.Union, types.UnionType) and int in args)
         return int(value) if wants_int and isinstance(value, float) and value.is_integer() else value
 

@@ -67,20 +67,55 @@ def from_hub(tok: TokenizerConfig) -> bool:
 
 
 def data_rules(data: DataConfig, model: ModelConfig | None = None) -> list[str]:
-    pinned = not data.hub_name or bool(data.paths) or is_commit(data.hub_revision)
-    rules = [
-        ("data.paths", bool(data.paths) or bool(data.hub_name), "give data.paths or data.hub_name"),
-        (
-            "data.hub_revision",
-            pinned,
-            f"pin data.hub_name={data.hub_name} to a commit of the hub repo, its 40-hex sha (a branch or tag "
-            f"moves), got {data.hub_revision}",
-        ),
-    ]
+    rules = [*mixture_rules(data)]
+    for name in data.source_names:
+        src = data.source(name) if name in data.sources or not data.sources else None
+        if src is None:
+            continue
+        key = f"data.sources.{name}" if data.sources else "data"
+        pinned = not src.hub_name or bool(src.paths) or is_commit(src.hub_revision)
+        rules += [
+            (f"{key}.paths", bool(src.paths) or bool(src.hub_name), "give data.paths or data.hub_name"),
+            (
+                f"{key}.hub_revision",
+                pinned,
+                f"pin {key}.hub_name={src.hub_name} to a commit of the hub repo, its 40-hex sha (a branch or tag "
+                f"moves), got {src.hub_revision}",
+            ),
+        ]
     if model is not None:  # blocks longer than the model's positions cannot train
         ok = data.seq_len <= model.max_seq_len
         rules.append(("data.seq_len", ok, f"{data.seq_len} exceeds model.max_seq_len={model.max_seq_len}"))
     return failed(rules)
+
+
+def mixture_rules(data: DataConfig) -> list[tuple[str, bool, str]]:
+    """data.mixture names known sources with weights >= 0 that do not sum to 0."""
+    known = data.source_names
+    unknown = sorted(set(data.mixture) - set(known))
+    negative = {s: w for s, w in data.mixture.items() if w < 0}
+    capped = {s: c.max_epochs for s, c in data.sources.items() if c.max_epochs is not None and c.max_epochs <= 0}
+    fractions = {s: c.val_fraction for s, c in data.sources.items() if c.val_fraction is not None}
+    few = {s: c.shards for s, c in data.sources.items() if c.shards is not None and c.shards < 1}
+    short = {s: c.min_chars for s, c in data.sources.items() if c.min_chars is not None and c.min_chars < 1}
+    return [
+        ("data.mixture", not unknown, f"{', '.join(unknown)} not among the sources ({', '.join(known)})"),
+        ("data.mixture", not negative, f"weights must be >= 0, got {negative}"),
+        (
+            "data.mixture",
+            not data.mixture or negative or sum(data.mixture.values()) > 0,
+            f"the weights sum to 0 ({dict(data.mixture)}): give at least one source a weight above 0",
+        ),
+        ("data.sources", data.name not in data.sources, f"a source is named data.name={data.name}: rename one"),
+        ("data.sources", not capped, f"max_epochs must be > 0, got {capped}"),
+        (
+            "data.sources",
+            all(0 < f < 1 for f in fractions.values()),
+            f"val_fraction must be in (0, 1), got {fractions}",
+        ),
+        ("data.sources", not short, f"min_chars must be >= 1, got {short}"),
+        ("data.sources", not few, f"shards must be >= 1, got {few}"),
+    ]
 
 
 def tokenizer_rules(tok: TokenizerConfig) -> list[str]:

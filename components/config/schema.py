@@ -69,6 +69,25 @@ class StoreBackend(str, Enum):
 
 
 @dataclass
+class SourceConfig:
+    """One named source of a mixture: what it changes of the data group's source keys (a key
+    left None is the data group's). Each source is tokenized into a dataset version of its own."""
+
+    paths: list[str] | None = None
+    hub_name: str | None = None
+    hub_config: str | None = None
+    hub_split: str | None = None
+    hub_revision: str | None = None
+    text_field: str | None = None
+    min_chars: int | None = None
+    max_doc_bytes: int | None = None
+    dedup: bool | None = None
+    val_fraction: float | None = None
+    shards: int | None = None
+    max_epochs: float | None = None  # at most this many passes over its train blocks; None: no cap
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING  # artifact name in the store
     paths: list[str] = MISSING  # local jsonl/txt/parquet files or dirs, or s3://bucket/prefix on the store's endpoint
@@ -87,9 +106,33 @@ class DataConfig:
     shards: int = MISSING  # source partitions, each tokenized by its own task (pod)
     parallelism: int = MISSING  # shard tasks at once (compiled into the pipeline's ParallelFor)
     cache_gb: float = MISSING  # each node's bound on the train shards it keeps on disk
+    sources: dict[str, SourceConfig] = MISSING  # {}: one source, the keys above; else named sources
+    mixture: dict[str, float] = MISSING  # a weight per source (normalised), chosen at train time
 
     def check(self, model: ModelConfig | None = None) -> list[str]:
         return rules.data_rules(self, model=model)
+
+    @property
+    def source_names(self) -> list[str]:
+        """The sources in a fixed order: the named ones sorted, or the one the group's keys name."""
+        return sorted(self.sources) if self.sources else [self.name]
+
+    def source(self, name: str) -> DataConfig:
+        """One source as a whole data group of its own (its name, its keys over the group's)."""
+        import dataclasses
+
+        if not self.sources and name == self.name:
+            return self
+        mine = {k: v for k, v in dataclasses.asdict(self.sources[name]).items() if v is not None}
+        mine.pop("max_epochs", None)
+        return dataclasses.replace(self, name=name, sources={}, mixture={}, **mine)
+
+    def weights(self, train_blocks: dict[str, int]) -> dict[str, float]:
+        """Each source's share of the samples, normalised: data.mixture's, or by default the
+        sources' own sizes (`train_blocks`), as concatenating them would give."""
+        raw = {s: float(self.mixture.get(s, 0.0)) for s in self.source_names} if self.mixture else train_blocks
+        total = sum(raw.values())
+        return {s: raw[s] / total for s in self.source_names}
 
 
 @dataclass

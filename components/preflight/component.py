@@ -27,7 +27,8 @@ def preflight(
     from pathlib import Path
 
     from components import summaries
-    from components.identity import trained_to_the_end
+    from components.identity import mixture_identity, trained_to_the_end
+    from components.mixture import draw_weights, max_epochs
     from components.preflight.stage import gate, run_preflight, summary
     from components.prelaunch import check_inputs
     from components.store import Ref
@@ -41,10 +42,10 @@ def preflight(
         ref = input_ref(dataset)
         # what would fail training (the data's fit, the vocabulary, the resume seed) fails here, in
         # the task KFP never retries, not in train's (retried: an evicted driver is not a bad config)
-        check_inputs(
-            t.store.manifest(Ref.parse(ref)), g["model"], g["train"], g["cluster"], t.store, g["data"].cache_gb
-        )
-        if done := trained_to_the_end(ref, g["model"], g["train"], t.store):  # a resume with no step left
+        manifest = t.store.manifest(Ref.parse(ref))
+        check_inputs(manifest, g["model"], g["train"], g["cluster"], t.store, g["data"].cache_gb, data=g["data"])
+        mixture = mixture_identity(draw_weights(g["data"], manifest), max_epochs(g["data"]))
+        if done := trained_to_the_end(ref, g["model"], g["train"], t.store, mixture):  # a resume with no step left
             why = f"{done} is at train.steps={g['train'].steps}: the resumed run trains no step"
             Path(report.path).write_text(f"# Preflight\n\nskipped: {why}\n")
             Path(verdict.path).write_text(json.dumps({"passed": True, "dataset": ref, "skipped": why}, indent=2))

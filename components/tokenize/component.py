@@ -8,36 +8,43 @@ from components import STAGE_IMAGE
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
 def tokenize_plan(data: dict, tokenizer: dict, model: dict, store: dict, plan: Output[Artifact]) -> list:
-    """Partition the source, make the tokenizer once, publish the plan; returns one item per
-    shard (the ParallelFor's items). The `plan` artifact points at the plan in the store."""
+    """Partition each source, make the tokenizer once, publish the plans; returns one item per
+    shard of every source (the ParallelFor's items), each carrying its source's data group. The
+    `plan` artifact points at the plans in the store."""
     import json
 
+    from components.config import as_plain_dict, drop_none
     from components.store.keys import utc_now
     from components.task import stage_task
-    from components.tokenize.plan import make_plan, shard_items
+    from components.tokenize.plan import make_plans, shard_items
 
     with stage_task("tokenize-plan", data=data, tokenizer=tokenizer, model=model, store=store) as task:
         began = utc_now()
         g = task.groups
-        made, stored = make_plan(g["data"], g["tokenizer"], g["model"], task.store)
-        ref = str(made.tokenizer)
+        made, stored = make_plans(g["data"], g["tokenizer"], g["model"], task.store)
+        refs = [str(p.tokenizer) for p in made]
+        shards = sum(p.shards for p in made)
         with open(plan.path, "w") as f:
-            json.dump({"ref": ref, "dataset": str(made.dataset), "shards": made.shards}, f)
-        plan.metadata.update({"ref": ref, "dataset": str(made.dataset), "shards": made.shards, "reused": stored})
-        items = shard_items(made, task.store, began)
+            json.dump({"refs": refs, "datasets": [str(p.dataset) for p in made], "shards": shards}, f)
+        plan.metadata.update({"ref": refs[0], "refs": refs, "shards": shards, "reused": stored})
+        items = []
+        for p in made:
+            source = drop_none(as_plain_dict(g["data"].source(p.dataset.name)))
+            items += shard_items(p, task.store, began, source)
     return items
 
 
 @dsl.component(base_image=STAGE_IMAGE, install_kfp_package=False)
-def tokenize_shard(shard: dict, data: dict, store: dict) -> str:
-    """Tokenize and pack one source partition; returns its `shard/NAME@VERSION-<i>of<n>`."""
+def tokenize_shard(shard: dict, store: dict) -> str:
+    """Tokenize and pack one source partition; returns its `shard/NAME@VERSION-<i>of<n>`. Its
+    data group is its source's, from the item (the mixture's weights are not in it)."""
 
     from components.task import stage_task
     from components.tokenize.plan import load_plan
     from components.tokenize.shard import run_shard
 
     directory = f"tokenize-shard-{int(shard['index'])}"  # KFP hands loop items over as JSON numbers (floats)
-    with stage_task("tokenize-shard", directory, data=data, store=store) as task:
+    with stage_task("tokenize-shard", directory, data=shard["data"], store=store) as task:
         index = int(shard["index"])
         manifest, _ = run_shard(load_plan(task.store, shard["plan"]), index, task.groups["data"], task.store)
     return str(manifest.ref)
@@ -56,14 +63,13 @@ def tokenize_merge(
 
     from components import summaries
     from components.task import stage_task
-    from components.tokenize.merge import merge_shards
+    from components.tokenize.merge import merge_all
     from components.tokenize.plan import load_plan
 
     with stage_task("tokenize-merge", data=data, tokenizer=tokenizer, store=store) as task:
         g, st = task.groups, task.store
-        manifest, reused = merge_shards(
-            load_plan(st, plan.metadata["ref"]), list(shards), g["data"], g["tokenizer"], st
-        )
+        plans = [load_plan(st, r) for r in plan.metadata.get("refs") or [plan.metadata["ref"]]]
+        manifest, reused = merge_all(plans, list(shards), g["data"], g["tokenizer"], st)
         ref = str(manifest.ref)
         stats = manifest.metadata["stats"]
         with open(dataset.path, "w") as f:

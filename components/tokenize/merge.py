@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -93,3 +94,56 @@ def merge_shards(
         ref = plan.dataset
         parents = [str(plan.tokenizer), *(str(m.ref) for m in shards)]
         return store.publish(ref.kind, ref.name, ref.version, out, metadata=meta, parents=parents), False
+
+
+def merge_all(
+    plans: list[Plan], shard_refs: list[str], data: DataConfig, tok: TokenizerConfig, store: ArtifactStore
+) -> tuple[Manifest, bool]:
+    """The dataset the run trains on: one source's version, or a mixture's corpus over its
+    sources' versions (each merged from its own shards first)."""
+    if not data.sources:
+        return merge_shards(plans[0], shard_refs, data, tok, store)
+    merged = []
+    for plan in plans:
+        mine = [r for r in shard_refs if Ref.parse(r).name == plan.dataset.name]
+        merged.append(merge_shards(plan, mine, data.source(plan.dataset.name), tok, store)[0])
+    return publish_corpus(data, merged, tok, store)
+
+
+def publish_corpus(
+    data: DataConfig, sources: list[Manifest], tok: TokenizerConfig, store: ArtifactStore
+) -> tuple[Manifest, bool]:
+    """`dataset/<data.name>@<version>`: the sources' dataset versions side by side, no block
+    copied. `metadata.shards` lists every source's shards, each row naming its `source`;
+    `metadata.sources` names each source's version. Its version is the sources' versions only:
+    the mixture's weights are chosen at train time and recorded with the model."""
+    refs = {m.ref.name: str(m.ref) for m in sources}
+    version = hashlib.sha256(json.dumps(refs, sort_keys=True).encode()).hexdigest()[:16]
+    ref = Ref("dataset", data.name, version)
+    if store.exists(ref):
+        return store.manifest(ref), True
+    stats = [m.metadata["stats"] for m in sources]
+    splits = {s: {k: sum(st["splits"][s][k] for st in stats) for k in stats[0]["splits"][s]} for s in SPLITS}
+    summed = {k: sum(st[k] for st in stats) for k in ("documents_in",)}
+    first = stats[0]
+    keep = ("shards", "vocab_size", "eos_token_id", "dtype", "seq_len", "block_len")
+    corpus_stats = {**{k: first[k] for k in keep}, **summed, "splits": splits, "dropped": {}}
+    corpus_stats["shards"] = sum(st["shards"] for st in stats)
+    corpus_stats["sources"] = {m.ref.name: m.metadata["stats"]["splits"] for m in sources}
+    for st in stats:
+        for k, v in st["dropped"].items():
+            corpus_stats["dropped"][k] = corpus_stats["dropped"].get(k, 0) + v
+    listing = [{**row, "source": m.ref.name} for m in sources for row in m.metadata["shards"]]
+    plain = {k: v for k, v in as_plain_dict(data).items() if k != "mixture"}
+    with tempfile.TemporaryDirectory(prefix="liftoff-corpus-") as tmp:
+        out = Path(tmp)
+        shutil.copytree(store.fetch(sources[0].ref) / "tokenizer", out / "tokenizer")
+        (out / "stats.json").write_text(json.dumps(corpus_stats, indent=2))
+        meta = {
+            "stats": corpus_stats,
+            "shards": listing,
+            "sources": refs,
+            "data": plain,
+            "tokenizer": as_plain_dict(tok),
+        }
+        return store.publish(ref.kind, ref.name, ref.version, out, metadata=meta, parents=list(refs.values())), False

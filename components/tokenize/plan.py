@@ -42,6 +42,7 @@ class Plan:
     vocab_size: int
     eos_token_id: int
     dtype: str
+    shared: str | None = None  # a mixture's source: the tokenizer version every source shares
 
     @property
     def shards(self) -> int:
@@ -57,13 +58,15 @@ class Plan:
     def to_json(self) -> str:
         parts = [[f.to_json() for f in p] for p in self.partitions]
         d = {"dataset": str(self.dataset), "partitions": parts, "vocab_size": self.vocab_size}
-        return json.dumps({**d, "eos_token_id": self.eos_token_id, "dtype": self.dtype}, indent=1)
+        d = {**d, "eos_token_id": self.eos_token_id, "dtype": self.dtype}
+        return json.dumps({**d, "shared": self.shared} if self.shared else d, indent=1)
 
     @classmethod
     def from_json(cls, raw: str) -> Plan:
         d = json.loads(raw)
         parts = [[SourceFile.from_json(f) for f in p] for p in d["partitions"]]
-        return cls(Ref.parse(d["dataset"]), parts, int(d["vocab_size"]), int(d["eos_token_id"]), d["dtype"])
+        shared = str(Ref.parse(d["shared"])) if d.get("shared") else None
+        return cls(Ref.parse(d["dataset"]), parts, int(d["vocab_size"]), int(d["eos_token_id"]), d["dtype"], shared)
 
 
 def dataset_fingerprint(data: DataConfig, tok: TokenizerConfig, source: dict) -> str:
@@ -145,28 +148,110 @@ def make_plan(data: DataConfig, tok: TokenizerConfig, model: ModelConfig, store:
         if stored:
             log.info("dataset %s already in %s: reusing it, no tokenization", dataset, store.description)
         return load_plan(store, tok_ref), stored
-    if tok.pretrained:
-        tokenizer = load_pretrained(tok)
-    else:
-        log.info("training the BPE tokenizer on the first %d MB of training documents", tok.sample_mb)
-        counts: dict = {}
-        tokenizer = train_bpe(sample_texts(data, files, objects, tok.sample_mb << 20, counts), tok)
-        if counts["kept"] == 0:
-            raise DataError(
-                f"no usable training documents: {counts['read']} read, none longer than data.min_chars="
-                f"{data.min_chars} outside the val split (the BPE tokenizer trains on them)"
-            )
+    tokenizer = make_tokenizer(tok, [(data, files, objects)])
     check_vocab(len(tokenizer), model, "the tokenizer")
     plan = Plan(dataset, partitions, len(tokenizer), tokenizer.eos_token_id, block_dtype(len(tokenizer)).name)
-    with tempfile.TemporaryDirectory(prefix="liftoff-plan-") as tmp:
-        save_tokenizer(tokenizer, Path(tmp) / "tokenizer")
-        (Path(tmp) / PLAN).write_text(plan.to_json())
-        meta = {"dataset": str(dataset), "shards": plan.shards, "tokenizer": as_plain_dict(tok)}
-        store.publish("tokenizer", tok_ref.name, tok_ref.version, Path(tmp), metadata=meta)
+    publish_plan(plan, tokenizer, tok, store)
     return plan, False
 
 
-def shard_items(plan: Plan, store: ArtifactStore, began: str) -> list[dict]:
+def make_tokenizer(tok: TokenizerConfig, sources: list[tuple[DataConfig, list[SourceFile], object]]):
+    """The pinned pretrained tokenizer, or a BPE trained on the first tokenizer.sample_mb of
+    training documents, split evenly over the sources (not by the mixture's weights: a sweep
+    over the weights keeps the tokenizer, hence every source's blocks)."""
+    if tok.pretrained:
+        return load_pretrained(tok)
+    log.info("training the BPE tokenizer on the first %d MB of training documents", tok.sample_mb)
+    counts, read, kept = {}, 0, 0
+    budget = (tok.sample_mb << 20) // len(sources)
+
+    def texts():
+        nonlocal read, kept
+        for data, files, objects in sources:
+            yield from sample_texts(data, files, objects, budget, counts)
+            read, kept = read + counts["read"], kept + counts["kept"]
+
+    tokenizer = train_bpe(texts(), tok)
+    if kept == 0:
+        raise DataError(
+            f"no usable training documents: {read} read, none longer than data.min_chars="
+            f"{sources[0][0].min_chars} outside the val split (the BPE tokenizer trains on them)"
+        )
+    return tokenizer
+
+
+def publish_plan(plan: Plan, tokenizer, tok: TokenizerConfig, store: ArtifactStore) -> None:
+    """The plan and its tokenizer as `tokenizer/NAME/VERSION`, what every shard task reads."""
+    with tempfile.TemporaryDirectory(prefix="liftoff-plan-") as tmp:
+        save_tokenizer(tokenizer, Path(tmp) / "tokenizer")
+        (Path(tmp) / PLAN).write_text(plan.to_json())
+        meta = {"dataset": str(plan.dataset), "shards": plan.shards, "tokenizer": as_plain_dict(tok)}
+        parents = [plan.shared] if plan.shared else []
+        store.publish("tokenizer", plan.tokenizer.name, plan.tokenizer.version, Path(tmp), metadata=meta,
+                      parents=parents)  # fmt: skip
+
+
+def make_plans(
+    data: DataConfig, tok: TokenizerConfig, model: ModelConfig, store: ArtifactStore
+) -> tuple[list[Plan], bool]:
+    """One plan per source (data.source_names), and whether every source's dataset is stored.
+
+    One source: `make_plan`. A mixture: one tokenizer for all, published as
+    `tokenizer/<data.name>/<version>` (its version: the tokenizer's config, and for a trained
+    BPE what it samples, every source), which each source's dataset version names: a source
+    keeps its version, and is never tokenized again, while the tokenizer and its own files
+    and filters stay; the mixture's weights are not part of any of them."""
+    if not data.sources:
+        plan, stored = make_plan(data, tok, model, store)
+        return [plan], stored
+    if not tok.pretrained:
+        check_vocab(tok.vocab_size, model, f"tokenizer.vocab_size={tok.vocab_size}: the BPE")
+    listed = {}
+    for name in data.source_names:
+        src = data.source(name)
+        objects = objects_for(src, store)
+        files = source_files(src, objects)
+        listed[name] = (src, files, objects, dataset_fingerprint(src, tok, source_identity(src, files)))
+    sampled = [] if tok.pretrained else sorted(fp for *_, fp in listed.values())
+    ident = {"tokenizer": tokenizer_identity(tok), "sampled": sampled, "format": FORMAT_VERSION}
+    shared = Ref("tokenizer", data.name, hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16])
+    plans, stored, tokenizer = [], True, None
+    for name, (src, files, _objects, fp) in listed.items():
+        version = hashlib.sha256(f"{fp}:{shared.version}".encode()).hexdigest()[:16]
+        dataset = Ref("dataset", name, version)
+        if store.exists(Ref("tokenizer", name, version)):
+            plans.append(load_plan(store, Ref("tokenizer", name, version)))
+            stored = stored and store.exists(dataset)
+            continue
+        partitions = partition(files, src.shards)
+        if tokenizer is None:
+            tokenizer = shared_tokenizer(shared, tok, [v[:3] for v in listed.values()], store)
+            check_vocab(len(tokenizer), model, "the tokenizer")
+        dtype = block_dtype(len(tokenizer)).name
+        plan = Plan(dataset, partitions, len(tokenizer), tokenizer.eos_token_id, dtype, str(shared))
+        publish_plan(plan, tokenizer, tok, store)
+        plans.append(plan)
+        stored = False
+    if stored:
+        log.info("every source of %s is in %s: reusing them, no tokenization", data.name, store.description)
+    return plans, stored
+
+
+def shared_tokenizer(ref: Ref, tok: TokenizerConfig, sources: list, store: ArtifactStore):
+    """A mixture's tokenizer: the stored version, or made now and published as `ref`."""
+    from components.blocks import load_tokenizer
+
+    if store.exists(ref):
+        return load_tokenizer(store.fetch(ref))
+    tokenizer = make_tokenizer(tok, sources)
+    with tempfile.TemporaryDirectory(prefix="liftoff-tokenizer-") as tmp:
+        save_tokenizer(tokenizer, Path(tmp) / "tokenizer")
+        meta = {"tokenizer": as_plain_dict(tok), "sources": [s[0].name for s in sources]}
+        store.publish(ref.kind, ref.name, ref.version, Path(tmp), metadata=meta)
+    return tokenizer
+
+
+def shard_items(plan: Plan, store: ArtifactStore, began: str, data: dict | None = None) -> list[dict]:
     """The ParallelFor's items, one per shard task; KFP's cache (kfp.local's and a cluster's)
     keys a shard task on its item and hands back the shard ref it returned last time, which the
     store may have lost since (a wiped store, an emptied bucket, `artifacts rm`, a lifecycle
@@ -174,12 +259,16 @@ def shard_items(plan: Plan, store: ArtifactStore, began: str) -> list[dict]:
     lost the plan commits it anew: no earlier task's cache entry matches), and, for a shard the
     store lacks although the plan predates this task (`began`), a fresh `rerun` token: that task
     runs again instead of handing back a ref to nothing. A shard of a plan made just now has no
-    token, so the next run of the same config is a cache hit."""
+    token, so the next run of the same config is a cache hit. `data`: the source's data group,
+    which the shard task reads instead of the pipeline's (whose mixture weights would miss the
+    cache when only they change)."""
     planned = store.manifest(plan.tokenizer).created
     stored = store.backend.list_manifests(f"shard/{plan.dataset.name}")
     items, gone = [], 0
     for index in range(plan.shards):
         item = {"plan": str(plan.tokenizer), "index": index, "planned": planned}
+        if data is not None:
+            item["data"] = data
         if plan.shard_ref(index).version not in stored and planned < began:
             item["rerun"] = uuid.uuid4().hex
             gone += 1

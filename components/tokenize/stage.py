@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from components.blocks import SPLITS
 from components.config import DataConfig, ModelConfig, TokenizerConfig
 from components.store import ArtifactStore, Manifest
-from components.tokenize.merge import merge_shards
-from components.tokenize.plan import make_plan
+from components.tokenize.merge import merge_all
+from components.tokenize.plan import make_plans
 from components.tokenize.shard import run_shard
 
 log = logging.getLogger(__name__)
@@ -27,11 +27,15 @@ class TokenizeResult:
 
 
 def run_tokenize(data: DataConfig, tok: TokenizerConfig, model: ModelConfig, store: ArtifactStore) -> TokenizeResult:
-    plan, stored = make_plan(data, tok, model, store)
+    plans, stored = make_plans(data, tok, model, store)
+    if stored and not data.sources:
+        return TokenizeResult(store.manifest(plans[0].dataset), reused=True)
+    refs = []
+    for plan in plans:
+        log.info("tokenizing into dataset %s: %d shard(s)", plan.dataset, plan.shards)
+        refs += [str(run_shard(plan, i, data.source(plan.dataset.name), store)[0].ref) for i in range(plan.shards)]
+    manifest, reused = merge_all(plans, refs, data, tok, store)
     if stored:
-        return TokenizeResult(store.manifest(plan.dataset), reused=True)
-    log.info("tokenizing into dataset %s: %d shard(s)", plan.dataset, plan.shards)
-    refs = [str(run_shard(plan, i, data, store)[0].ref) for i in range(plan.shards)]
-    manifest, _ = merge_shards(plan, refs, data, tok, store)
-    log.info("dataset %s: %s", plan.dataset, {s: manifest.metadata["stats"]["splits"][s]["blocks"] for s in SPLITS})
+        return TokenizeResult(manifest, reused=reused)
+    log.info("dataset %s: %s", manifest.ref, {s: manifest.metadata["stats"]["splits"][s]["blocks"] for s in SPLITS})
     return TokenizeResult(manifest, reused=False)

@@ -40,6 +40,7 @@ def train(
             task.store,
             exclude_nodes=verdict.get("excluded_hosts", []),
             cache_gb=g["data"].cache_gb,
+            data=g["data"],
             trains_no_step=bool(verdict.get("skipped")),  # preflight measured nothing: no step may train
         )
         ref = str(result.model.ref)

@@ -88,6 +88,7 @@ def finish(job: Job, state: TrainState, resumed: Resumed | None) -> WorkerResult
         start_step=resumed.step if resumed else 0,
         skipped_samples=state.skip_windows,  # a spike rollback's data windows (components/train/guards.py)
         nodes=list(job.monitor.hosts),
+        drawn=job.sampler.drawn(state.samples) if job.spec.mixture else {},
     )
 
 
@@ -220,6 +221,7 @@ def hand_back(job: Job, result: WorkerResult) -> None:
             "continued": result.continued,
             "identity": job.identity,
             "train": as_plain_dict(job.train),
+            **mixture_record(job, result),
         },
         parents=[job.spec.dataset, f"checkpoint/{job.model_cfg.name}@{result.checkpoint_version}"],
     )
@@ -229,6 +231,22 @@ def hand_back(job: Job, result: WorkerResult) -> None:
         (record / "result.json").write_text(json.dumps(handed.to_json(), indent=2))
         shutil.copyfile(run_dir / "metrics.jsonl", record / "metrics.jsonl")
         job.store.publish("run", job.identity, job.spec.launch_id, record, parents=[str(model.ref)])
+
+
+def mixture_record(job: Job, result: WorkerResult) -> dict:
+    """A mixture's model names each source's dataset version, its weight, its cap and the samples
+    it gave the run (the sampler's count at the final step); nothing for one source."""
+    if not job.spec.mixture:
+        return {}
+    sources = job.store.manifest(Ref.parse(job.spec.dataset)).metadata["sources"]
+    drawn = result.drawn
+    return {
+        "mixture": {
+            name: {"dataset": sources[name], "weight": w, "max_epochs": job.spec.max_epochs.get(name),
+                   "drawn": drawn[name]}
+            for name, w in job.spec.mixture.items()
+        }
+    }  # fmt: skip
 
 
 def heal_lineage(store: ArtifactStore, ref: Ref) -> None:

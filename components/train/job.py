@@ -26,7 +26,7 @@ from components.store import ArtifactStore, Ref, open_store
 from components.stream import StreamingBlocks, open_split
 from components.train import checkpoint as ckpt
 from components.train.collectives import Tracker, hand_back_hang
-from components.train.data import BlockSampler
+from components.train.data import BlockSampler, Mixture
 from components.train.grad_norms import LocalGradNorms
 from components.train.guards import Guards
 from components.train.monitor import Monitor, Watchdog
@@ -110,7 +110,6 @@ def build_job(spec: TrainSpec) -> Job:
     rank, world, device = init_distributed(timeout_s=max(60.0, train.watchdog_timeout_s * 2))
     precision = recipe(train.precision)
     precision.check_device(device)
-
     dataset = store.manifest(Ref.parse(spec.dataset))
     blocks = open_split(store, dataset, "train", spec.data_cache_gb, on_wait=watchdog.beat)
     val = open_split(store, dataset, "val", spec.data_cache_gb, on_wait=watchdog.beat)
@@ -119,7 +118,8 @@ def build_job(spec: TrainSpec) -> Job:
     dims = ParallelDims.of(train, world)
     # tensor-parallel peers read the same samples: the sampler sees the data-parallel world
     dp, dp_rank = dims.dp, dims.dp_rank(rank)
-    sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, dp, dp_rank, train.seed)
+    mix = Mixture.of(blocks, spec.mixture, spec.max_epochs) if spec.mixture else None  # a mixture's sources
+    sampler = BlockSampler(blocks, train.micro_batch_size, train.grad_accum_steps, dp, dp_rank, train.seed, mix)
     model = build_model(model_cfg, model_cfg.vocab_size or vocab, train.seed).to(device)
     attend_causally(model)  # packed blocks: no mask, no host read per forward
     seq_len = blocks.block_len - 1

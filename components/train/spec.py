@@ -24,6 +24,8 @@ class TrainSpec(WorkerSpec):
     nodes_share_host: bool = False  # local_cwd: every "node" on this host (metrics ports differ per node)
     quarantine_ttl_s: float = 0.0  # a straggler's node is quarantined this long (cluster.quarantine_ttl_h; 0: not)
     trains_no_step: bool = False  # preflight skipped (the store held it at train.steps): only re-export
+    mixture: dict = dataclasses.field(default_factory=dict)  # {source: normalised weight}; {} for one source
+    max_epochs: dict = dataclasses.field(default_factory=dict)  # {source: cap on passes} of the capped sources
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class WorkerResult:
     model: str = ""  # model/NAME@VERSION, once published
     skipped_samples: list = dataclasses.field(default_factory=list)  # [start, end) global samples never trained on
     nodes: list = dataclasses.field(default_factory=list)  # the node each rank ran on (NODE_NAME), by rank
+    drawn: dict = dataclasses.field(default_factory=dict)  # a mixture's samples per source over the whole run
 
     @property
     def continued(self) -> str:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components import fleet
-from components.config import ClusterConfig, ModelConfig, Scheduler, TrainConfig
-from components.identity import training_identity
+from components.config import ClusterConfig, DataConfig, ModelConfig, Scheduler, TrainConfig
+from components.identity import mixture_identity, training_identity
 from components.launcher import Launch, replica_store, run_app
+from components.mixture import draw_weights, max_epochs
 from components.prelaunch import check_inputs
 from components.store import ArtifactStore, Manifest, Ref
 from components.store.lease import Lease, default_holder
@@ -66,9 +67,12 @@ def train_launch(
     *,
     cache_gb: float,
     trains_no_step: bool = False,
+    mixture: dict | None = None,
+    max_epochs: dict | None = None,
 ) -> tuple[str, Path, Launch]:
-    """(training identity, run directory, the TorchX job that trains it)."""
-    identity = training_identity(dataset, model, train)
+    """(training identity, run directory, the TorchX job that trains it). `mixture`: a mixture's
+    normalised weights per source, `max_epochs` its caps (`components.mixture`)."""
+    identity = training_identity(dataset, model, train, mixture_identity(mixture or {}, max_epochs or {}))
     run_dir = Path(train.run_dir).resolve() / identity
     # paths inside a replica, relative to its own working directory (a pod's home; locally its
     # node directory): no replica writes where the driver or another node could read it
@@ -86,6 +90,8 @@ def train_launch(
         nodes_share_host=cluster.scheduler == Scheduler.local_cwd,
         quarantine_ttl_s=cluster.quarantine_ttl_h * 3600,
         trains_no_step=trains_no_step,
+        mixture=dict(mixture or {}),
+        max_epochs=dict(max_epochs or {}),
     )
     name = f"train-{identity[:8]}"
     launch = Launch("components.train.worker", spec, cluster, name, run_dir / "logs", run_dir / "nodes", exclude_nodes)
@@ -118,10 +124,13 @@ def run_train(
     *,
     cache_gb: float,
     trains_no_step: bool = False,
+    data: DataConfig | None = None,
 ) -> TrainResult:
-    """Train on the cluster's nodes except `exclude_nodes` (preflight's verdict)."""
+    """Train on the cluster's nodes except `exclude_nodes` (preflight's verdict). `data`: the
+    data group, whose mixture weights the sampler draws a mixture's sources by."""
     data_manifest = store.resolve(*_kind_name_version(dataset))
-    check_inputs(data_manifest, model, train, cluster, store, cache_gb)
+    check_inputs(data_manifest, model, train, cluster, store, cache_gb, data=data)
+    weights = draw_weights(data, data_manifest) if data is not None else {}
     identity, run_dir, launch = train_launch(
         str(data_manifest.ref),
         model,
@@ -131,6 +140,8 @@ def run_train(
         exclude_nodes,
         cache_gb=cache_gb,
         trains_no_step=trains_no_step,
+        mixture=weights,
+        max_epochs=max_epochs(data) if data is not None else {},
     )
     log.info("training identity %s: run directory %s", identity, run_dir)
     launch.quarantined = lambda: fleet.quarantined(store)  # each attempt keeps off the nodes quarantined by then

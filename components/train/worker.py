@@ -191,6 +191,7 @@ def settle(job: Job, state: TrainState, steps: list[Unsettled], line: StepLine, 
             "forward_s": u.forward.seconds(),
             "checkpoint_pending_ranks": pending_ranks,
             "time": time.time() - (now - u.done),
+            **({"drawn": job.sampler.drawn(u.samples)} if job.spec.mixture else {}),  # per source, so far
         }
         record["mfu"] = line.mfu(record["tokens_per_s"])
         record.update(job.checkpointer.seconds)

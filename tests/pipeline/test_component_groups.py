@@ -111,7 +111,8 @@ def test_the_shard_and_merge_tasks_check_the_data_group_too(groups, tmp_path, no
     store = as_the_ui_sends(groups["store"])
     with pytest.raises(ConfigError, match="data.shards: must be >= 1, got 0"):
         if task == "shard":
-            tokenize_shard.python_func(shard={"plan": "tokenizer/kjv@v", "index": 0.0}, data=bad, store=store)
+            item = {"plan": "tokenizer/kjv@v", "index": 0.0, "data": bad}  # its source's group, from the plan
+            tokenize_shard.python_func(shard=item, store=store)
         else:
             tokenize_merge.python_func(
                 shards=[],

@@ -339,7 +339,7 @@ def test_plan_shards_and_merge_fan_out_under_kfp_local(tmp_path, capfd):
         planned = tokenize_plan(data=data, tokenizer=tokenizer, model=model, store=store)
         planned.set_caching_options(False)  # as pipelines/pretrain.py: the plan always runs
         with dsl.ParallelFor(planned.outputs["Output"], parallelism=2) as item:
-            shard = tokenize_shard(shard=item, data=data, store=store)
+            shard = tokenize_shard(shard=item, store=store)
         merged = tokenize_merge(
             shards=dsl.Collected(shard.output),
             plan=planned.outputs["plan"],

@@ -1,0 +1,162 @@
+"""Data mixtures (issue 44): sources tokenized once each, drawn by weight at train time."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from components.config import ConfigError, compose, defaults
+from components.prelaunch import DataFitError
+from components.store import Ref, open_store
+from components.stream import open_split
+from components.tokenize.stage import run_tokenize
+from components.train.data import BlockSampler, Mixture
+from tests.conftest import ROOT
+
+MIX = [
+    "experiment=tiny-mix",
+    f"data.sources.kjv.paths=[{ROOT / 'corpus' / 'kjv.jsonl'}]",
+    f"data.sources.pystdlib.paths=[{ROOT / 'corpus' / 'pystdlib.jsonl'}]",
+]
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """The tiny-mix corpus tokenized once: (config, store, the corpus's manifest)."""
+    root = tmp_path_factory.mktemp("mixture")
+    store_over = [f"store.root={root / 'store'}", f"store.cache_dir={root / 'cache'}"]
+    cfg = OmegaConf.to_object(compose([*MIX, *store_over]))
+    store = open_store(cfg.store)
+    return cfg, store, run_tokenize(cfg.data, cfg.tokenizer, cfg.model, store).manifest
+
+
+def within_binomial(count: int, n: int, w: float) -> bool:
+    """`count` of `n` draws at probability `w`, within 4 standard deviations (and one draw)."""
+    return abs(count - w * n) <= 4 * math.sqrt(n * w * (1 - w)) + 1
+
+
+def source_of_shard(blocks) -> list[str]:
+    """Each shard's source, from the corpus's shard listing (not from the sampler)."""
+    return [row["source"] for row in blocks.shards]
+
+
+@pytest.mark.parametrize("weights", [{"kjv": 0.7, "pystdlib": 0.3}, {"kjv": 0.15, "pystdlib": 0.85}])
+def test_the_sampler_draws_each_source_by_its_weight_at_every_prefix(mixed, weights):
+    cfg, store, corpus = mixed
+    blocks = open_split(store, corpus, "train")
+    named = source_of_shard(blocks)
+    sampler = BlockSampler(blocks, 8, 1, 2, 0, 0, Mixture.of(blocks, weights))
+    pairs = sampler.locate_many(0, 6000)
+    for n in (40, 600, 6000):
+        counted = {s: sum(named[shard] == s for shard, _ in pairs[:n]) for s in weights}
+        assert sampler.drawn(n) == counted  # the sampler's own record is what it drew
+        for s, w in weights.items():
+            assert within_binomial(counted[s], n, w), (n, s, counted)
+
+
+def test_each_source_is_drawn_in_whole_passes_and_a_cap_stops_it(mixed):
+    cfg, store, corpus = mixed
+    blocks = open_split(store, corpus, "train")
+    sizes = {s: corpus.metadata["stats"]["sources"][s]["train"]["blocks"] for s in ("kjv", "pystdlib")}
+    sampler = BlockSampler(blocks, 8, 1, 1, 0, 0, Mixture.of(blocks, {"kjv": 0.5, "pystdlib": 0.5}))
+    n = 2 * sizes["kjv"] + 50  # past the end of kjv's first pass
+    per = {"kjv": [], "pystdlib": []}
+    for shard, block in sampler.locate_many(0, n):
+        per[blocks.shards[shard]["source"]].append((shard, block))
+    first = per["kjv"][: sizes["kjv"]]
+    assert len(set(first)) == sizes["kjv"]  # every kjv block once in its first pass
+    assert per["kjv"][sizes["kjv"] :] != first[: len(per["kjv"]) - sizes["kjv"]]  # the next pass reshuffled
+    capped = BlockSampler(blocks, 8, 1, 1, 0, 0, Mixture.of(blocks, {"kjv": 0.5, "pystdlib": 0.5}, {"kjv": 1.0}))
+    capped.locate_many(0, 2 * sizes["kjv"] - 10)
+    with pytest.raises(DataFitError, match=r"data.sources.kjv.max_epochs=1: the run reached draw"):
+        capped.locate_many(2 * sizes["kjv"] - 10, 2 * sizes["kjv"] + 10)
+
+
+def block_hashes(sampler: BlockSampler, start: int, steps: int, ranks: list[BlockSampler]) -> list[str]:
+    """The sha256 of every block the ranks read, step by step, in global sample order."""
+    out, sample = [], start
+    for _ in range(steps):
+        for r in ranks:
+            out += [hashlib.sha256(row.tobytes()).hexdigest() for row in r.batch(sample, "cpu").numpy()]
+        sample += sampler.micro * sampler.world
+    return out
+
+
+def test_a_two_rank_run_resumed_on_one_rank_draws_the_blocks_of_the_uninterrupted_run(mixed):
+    """Acceptance 3, the sampler's part: the order is global, so a resume at the checkpointed
+    sample on another number of ranks reads the same bytes (the workers' resume of the sample
+    position on another world size is tests/train's)."""
+    cfg, store, corpus = mixed
+    blocks = open_split(store, corpus, "train")
+    mix = Mixture.of(blocks, {"kjv": 0.6, "pystdlib": 0.4})
+    two = [BlockSampler(blocks, 4, 1, 2, r, 7, mix) for r in range(2)]
+    whole = block_hashes(two[0], 0, 30, two)
+    fresh = [BlockSampler(blocks, 4, 1, 2, r, 7, mix) for r in range(2)]  # new processes: no cursor carried
+    first = block_hashes(fresh[0], 0, 12, fresh)
+    one = BlockSampler(blocks, 8, 1, 1, 0, 7, mix)  # one node takes both ranks' share of each step
+    rest = block_hashes(one, 12 * 8, 18, [one])
+    assert first + rest == whole
+    assert len(set(whole)) > 200  # real, distinct blocks
+
+
+def test_one_source_draws_exactly_what_it_drew_before_mixtures(mixed):
+    """A dataset of one source keeps its order (resumed runs of older versions continue right)."""
+    cfg, store, corpus = mixed
+    kjv = store.manifest(Ref.parse(corpus.metadata["sources"]["kjv"]))
+    blocks = open_split(store, kjv, "train")
+    sampler = BlockSampler(blocks, 8, 1, 1, 0, 3)
+    sizes, n = np.asarray(blocks.sizes), len(blocks)
+    expected = []
+    for k in range(40):  # the pre-mixture rule: perm(seed, epoch) over shards, perm(seed, epoch, shard) inside
+        order = np.random.default_rng([3, k // n]).permutation(len(sizes))
+        ends = np.cumsum(sizes[order])
+        visit = int(np.searchsorted(ends, k % n, side="right"))
+        shard = int(order[visit])
+        perm = np.random.default_rng([3, k // n, shard]).permutation(sizes[shard])
+        expected.append((shard, int(perm[k % n - (ends[visit] - sizes[shard])])))
+    assert sampler.locate_many(0, 40) == expected
+
+
+def test_the_sources_are_tokenized_once_each_and_the_weights_change_no_dataset(mixed, tmp_path):
+    """The corpus names each source's own dataset version, made with one shared tokenizer;
+    other weights plan the same versions, all found in the store (no tokenize work)."""
+    cfg, store, corpus = mixed
+    refs = corpus.metadata["sources"]
+    assert sorted(refs) == ["kjv", "pystdlib"] and sorted(corpus.parents) == sorted(refs.values())
+    tokenizers = {store.manifest(Ref("tokenizer", s, Ref.parse(r).version)).parents[0] for s, r in refs.items()}
+    assert len(tokenizers) == 1  # one shared tokenizer version, named by both sources' plans
+    before = {kind: sorted(str(m.ref) for m in store.ls(kind)) for kind in ("dataset", "shard", "tokenizer")}
+    other = OmegaConf.to_object(compose([*MIX, "data.mixture.kjv=0.1", "data.mixture.pystdlib=0.9"]))
+    again = run_tokenize(other.data, cfg.tokenizer, cfg.model, store)
+    assert again.reused and again.manifest.ref == corpus.ref
+    assert {kind: sorted(str(m.ref) for m in store.ls(kind)) for kind in before} == before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+data.mixture.web=1.0"], "data.mixture: web not among the sources (kjv, pystdlib)"),
+        (["data.mixture.kjv=-0.5"], "data.mixture: weights must be >= 0, got {'kjv': -0.5}"),
+        (["data.mixture.kjv=0", "data.mixture.pystdlib=0"], "data.mixture: the weights sum to 0"),
+        (["data.name=kjv"], "data.sources: a source is named data.name=kjv"),
+    ],
+)
+def test_a_bad_mixture_fails_at_compose_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("{", r"\{")):
+        compose([*MIX, *overrides])
+
+
+def test_a_mixture_that_cannot_feed_the_run_is_refused_before_training(mixed):
+    from components.mixture import check_mixture_feeds
+
+    cfg, store, corpus = mixed
+    kjv = corpus.metadata["stats"]["sources"]["kjv"]["train"]["blocks"]
+    capped = OmegaConf.to_object(compose([*MIX, "data.sources.kjv.max_epochs=1.0"]))
+    check_mixture_feeds(capped.data, corpus, int(kjv / 0.7) - 10)  # just within one pass
+    with pytest.raises(DataFitError, match=rf"the run draws about \d+ samples of kjv .* its {kjv} train blocks"):
+        check_mixture_feeds(capped.data, corpus, int(kjv / 0.7) + 10)
+    assert defaults("data").sources == {}
