@@ -102,6 +102,8 @@ def load(store: ArtifactStore, text: str, label: str) -> Side:
             config[key] = meta.get(key)
     config["dataset"] = next((p for p in model.parents if p.startswith("dataset/")), None)
     config["started"] = meta.get("continued", "fresh")
+    for source, drawn in meta.get("mixture", {}).items():  # a mixture's weights: what changed between runs
+        config[f"mixture.{source}"] = drawn["weight"]
     with tempfile.TemporaryDirectory() as tmp:
         if "config.json" in model.files:
             arch = json.loads(store.fetch_file(model, "config.json", Path(tmp) / "config.json").read_text())
@@ -127,7 +129,8 @@ def config_diff(sides: list[Side]) -> tuple[list[str], int]:
 def metric_rows(sides: list[Side]) -> list[list]:
     """[name, A, B, ..., B-A, ...] for the metrics any run has, deltas against the first."""
     rows = []
-    for name in [m for m in METRICS if any(m in s.metrics for s in sides)]:
+    per_source = sorted({k for s in sides for k in s.metrics if k.split("/")[0] in METRICS and "/" in k})
+    for name in [*(m for m in METRICS if any(m in s.metrics for s in sides)), *per_source]:
         values = [s.metrics.get(name) for s in sides]
         base = values[0]
         deltas = [(v - base) if v is not None and base is not None else None for v in values[1:]]

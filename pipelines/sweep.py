@@ -373,8 +373,10 @@ def model_ref(result: dict) -> str | None:
 def sweep_table(rows: list) -> list[str]:
     """One row per job: its overrides, model version, train and val loss, throughput, wall time,
     and whether its model was already in the store (reused from an earlier run)."""
+    sources = sorted({k.split("/", 1)[1] for _, r, _ in rows for k in r["metrics"] if k.startswith("val_loss/")})
     head = "| job | overrides | model | started | train loss | val loss | val perplexity | tokens/s | wall s | reused |"
-    lines = [head, "|---" * 10 + "|"]
+    head = head.replace("| tokens/s", "".join(f"| val loss {s} " for s in sources) + "| tokens/s")
+    lines = [head, "|---" * (10 + len(sources)) + "|"]
     for i, (job, result, reused) in enumerate(rows):
         m = result["metrics"]
         train = result["stages"].get("train")
@@ -383,7 +385,9 @@ def sweep_table(rows: list) -> list[str]:
         started = getattr(said, "continued", "-")
         final_loss, tokens_per_s = getattr(said, "final_loss", None), getattr(said, "tokens_per_s", 0)
         cells = [str(i), " ".join(job) or "(defaults)", model, started, f"{_nan(final_loss):.4f}"]
-        cells += [f"{m['val_loss']:.4f}", f"{m['val_perplexity']:.2f}", f"{tokens_per_s:,.0f}"]
+        cells += [f"{m['val_loss']:.4f}", f"{m['val_perplexity']:.2f}"]
+        cells += [f"{m[f'val_loss/{s}']:.4f}" if f"val_loss/{s}" in m else "-" for s in sources]
+        cells += [f"{tokens_per_s:,.0f}"]
         cells += [f"{result['seconds']:.0f}", "yes (same model as before)" if reused else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

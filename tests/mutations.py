@@ -999,6 +999,92 @@ MUTATIONS = [
         '            rules.append(("train.async_tp", True, why))\n',
         ("tests/test_config.py::test_async_tp_off_a_cuda_tp_run_fails_at_compose",),
     ),
+    # issue 44: data mixtures
+    Mutation(
+        "mixture: the schedule ignores the weights (every source an equal share)",
+        "components/train/data.py",
+        "        ends = np.cumsum(self.weights)\n",
+        "        ends = np.cumsum([1 / len(self.weights)] * len(self.weights))\n",
+        ("tests/test_mixture.py::test_the_sampler_draws_each_source_by_its_weight_at_every_prefix",),
+    ),
+    Mutation(
+        "mixture: a resumed sampler counts no draws before its position",
+        "components/train/data.py",
+        "        base = self._reading.before(start)\n",
+        "        base = np.zeros(len(self._orders), dtype=np.int64)\n",
+        ("tests/test_mixture.py::test_a_two_rank_run_resumed_on_one_rank_draws_the_blocks_of_the_uninterrupted_run",),
+    ),
+    Mutation(
+        "mixture: a source's cap on passes never stops the sampler",
+        "components/train/data.py",
+        "        if cap is not None and n >= cap * self._orders[src].total:\n",
+        "        if False:\n",
+        ("tests/test_mixture.py::test_each_source_is_drawn_in_whole_passes_and_a_cap_stops_it",),
+    ),
+    Mutation(
+        "mixture: the weights make the sources' dataset versions (a weight sweep tokenizes again)",
+        "components/tokenize/plan.py",
+        '        version = hashlib.sha256(f"{fp}:{shared.version}".encode()).hexdigest()[:16]\n',
+        '        version = hashlib.sha256(f"{fp}:{shared.version}:{data.mixture}".encode()).hexdigest()[:16]\n',
+        ("tests/test_mixture.py::test_the_sources_are_tokenized_once_each_and_the_weights_change_no_dataset",),
+    ),
+    Mutation(
+        "mixture: the weights left out of the training identity",
+        "components/identity.py",
+        '        ident["mixture"] = mixture\n',
+        "        pass\n",
+        (
+            "tests/pipeline/test_mixture_run.py::test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing",
+        ),
+    ),
+    Mutation(
+        "mixture: evaluate measures every source on the corpus's val blocks",
+        "components/evaluate/stage.py",
+        "            per[name] = perplexity(model, own, cfg.val_blocks, cfg.batch_size, lengths)\n",
+        "            per[name] = perplexity(model, val, cfg.val_blocks, cfg.batch_size, lengths)\n",
+        (
+            "tests/pipeline/test_mixture_run.py::test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing",
+        ),
+    ),
+    Mutation(
+        "mixture: the mixture's val loss an unweighed mean of the sources'",
+        "components/evaluate/metrics.py",
+        '    loss = sum(w[n] * m["val_loss"] for n, m in per_source.items())\n',
+        '    loss = sum(m["val_loss"] for m in per_source.values()) / len(per_source)\n',
+        (
+            "tests/pipeline/test_mixture_run.py::test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing",
+        ),
+    ),
+    Mutation(
+        "mixture: a capped source that cannot feed its share is sent to tokenize",
+        "pipelines/cluster.py",
+        "        if need > most:\n",
+        "        if False:\n",
+        (
+            "tests/pipeline/test_mixture_run.py::test_a_capped_source_that_cannot_feed_its_share_is_refused_before_any_task",
+        ),
+    ),
+    Mutation(
+        "mixture: preflight lets a capped source run out",
+        "components/mixture.py",
+        "        if name in caps and need > caps[name] * blocks[name]:\n",
+        "        if False:\n",
+        ("tests/test_mixture.py::test_a_mixture_that_cannot_feed_the_run_is_refused_before_training",),
+    ),
+    Mutation(
+        "mixture: a source of empty files is tokenized",
+        "components/tokenize/plan.py",
+        "        if files and sum(f.size for f in files) == 0:\n",
+        "        if False:\n",
+        ("tests/test_mixture.py::test_a_source_with_no_documents_is_refused_at_the_plan_naming_it",),
+    ),
+    Mutation(
+        "mixture: a weight for an unknown source composes",
+        "components/config/rules.py",
+        '        ("data.mixture", not unknown,',
+        '        ("data.mixture", True,',
+        ("tests/test_mixture.py::test_a_bad_mixture_fails_at_compose_naming_the_key",),
+    ),
 ]
 
 

@@ -160,3 +160,17 @@ def test_a_mixture_that_cannot_feed_the_run_is_refused_before_training(mixed):
     with pytest.raises(DataFitError, match=rf"the run draws about \d+ samples of kjv .* its {kjv} train blocks"):
         check_mixture_feeds(capped.data, corpus, int(kjv / 0.7) + 10)
     assert defaults("data").sources == {}
+
+
+def test_a_source_with_no_documents_is_refused_at_the_plan_naming_it(tmp_path):
+    from components.tokenize.plan import make_plans
+    from components.tokenize.sources import DataError
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    over = [*MIX, f"data.sources.pystdlib.paths=[{empty}]", f"store.root={tmp_path / 'store'}"]
+    cfg = OmegaConf.to_object(compose(over))
+    store = open_store(cfg.store)
+    with pytest.raises(DataError, match=r"^data.sources.pystdlib: no documents: its 1 file\(s\) are empty$"):
+        make_plans(cfg.data, cfg.tokenizer, cfg.model, store)
+    assert not list(store.ls("tokenizer"))  # refused before any tokenizer was made

@@ -279,8 +279,13 @@ EVAL_LAUNCH = ("auto", "pod", "replicas")  # where validate and evaluate load th
 
 
 def eval_rules(ev: EvalConfig) -> list[str]:
-    known = ev.objective in EVAL_METRICS or ev.objective.startswith("lm_eval/")
-    why = f"{ev.objective!r} is not a metric evaluate records ({', '.join(EVAL_METRICS)}, lm_eval/...)"
+    metric, _, source = ev.objective.partition("/")
+    per_source = bool(source) and metric in ("val_loss", "val_perplexity", "val_bits_per_byte")
+    known = ev.objective in EVAL_METRICS or ev.objective.startswith("lm_eval/") or per_source
+    why = (
+        f"{ev.objective!r} is not a metric evaluate records ({', '.join(EVAL_METRICS)}, lm_eval/..., or a "
+        "mixture's val_loss/<source>, val_perplexity/<source>, val_bits_per_byte/<source>)"
+    )
     return failed([
         ("eval.objective", known, why),
         ("eval.launch", ev.launch in EVAL_LAUNCH, f"must be one of {', '.join(EVAL_LAUNCH)}, got {ev.launch!r}"),

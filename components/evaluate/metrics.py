@@ -58,6 +58,31 @@ def perplexity_metrics(nats: float, tokens: int, nbytes: int, elapsed: float) ->
     }
 
 
+SOURCE_METRICS = ("val_loss", "val_perplexity", "val_bits_per_byte")  # measured per source of a mixture
+
+
+def mixture_metrics(per_source: dict[str, dict[str, float]], weights: dict[str, float]) -> dict[str, float]:
+    """A mixture's val metrics: each source's own (`val_loss/<source>`, ...) and the mixture's,
+    the sources weighed by the weights the model trained with (a token drawn as training drew
+    them): loss = sum w_i loss_i, bits per byte = sum w_i nats_i / (ln 2 sum w_i bytes_i), both
+    per token of each source's val blocks."""
+    out = {f"{k}/{name}": m[k] for name, m in per_source.items() for k in SOURCE_METRICS}
+    total = sum(weights.values())
+    w = {name: weights[name] / total for name in per_source}
+    loss = sum(w[n] * m["val_loss"] for n, m in per_source.items())
+    bytes_per_token = {n: m["val_loss"] / math.log(2) / m["val_bits_per_byte"] for n, m in per_source.items()}
+    tokens = sum(m["val_tokens"] for m in per_source.values())
+    seconds = sum(m["val_tokens"] / m["inference_tokens_per_s"] for m in per_source.values())
+    out.update(
+        val_loss=loss,
+        val_perplexity=math.exp(loss),
+        val_bits_per_byte=loss / math.log(2) / sum(w[n] * b for n, b in bytes_per_token.items()),
+        val_tokens=float(tokens),
+        inference_tokens_per_s=tokens / seconds,
+    )
+    return out
+
+
 def unigram_perplexity(train_blocks, val, n_blocks: int, vocab_size: int, max_train_blocks: int = 200_000) -> float:
     """Perplexity of predicting each val token from train token frequencies alone (add-one
     smoothed): the bar any trained model should clear. Counts the first `max_train_blocks`

@@ -73,6 +73,7 @@ def report_html(
         _header(title, identity or {}),
         _summary(metrics),
         _curves(training_metrics),
+        _sources_table(metrics),
         _metrics_table(metrics, deltas),
         _samples(samples),
     ]
@@ -83,6 +84,23 @@ def report_html(
         f"<body><main>{''.join(body)}</main>"
         f"<script type='application/json' id='metrics-json'>{data}</script></body></html>"
     )
+
+
+def _sources_table(metrics: dict[str, float]) -> str:
+    """A mixture's sources side by side: each one's val loss, perplexity and bits per byte."""
+    sources = sorted(k.split("/", 1)[1] for k in metrics if k.startswith("val_loss/"))
+    if not sources:
+        return ""
+    head = "<tr><th>source</th><th>val loss</th><th>val perplexity</th><th>bits per byte</th></tr>"
+    rows = [
+        f"<tr><td>{html.escape(s)}</td>"
+        + "".join(f"<td>{metrics[f'{k}/{s}']:.4f}</td>" for k in ("val_loss", "val_perplexity", "val_bits_per_byte"))
+        + "</tr>"
+        for s in [*sources]
+    ]
+    mixed = "".join(f"<td>{metrics[k]:.4f}</td>" for k in ("val_loss", "val_perplexity", "val_bits_per_byte"))
+    rows.append(f"<tr><td>the mixture (by its weights)</td>{mixed}</tr>")
+    return f"<section><h2>Per source</h2><table id='sources'>{head}{''.join(rows)}</table></section>"
 
 
 def _header(title: str, identity: dict[str, str]) -> str:

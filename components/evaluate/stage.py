@@ -13,9 +13,16 @@ from pathlib import Path
 
 from components.blocks import load_tokenizer
 from components.config import ClusterConfig, EvalConfig, StoreConfig
-from components.evaluate.metrics import greedy_samples, perplexity, token_byte_lengths, unigram_perplexity
+from components.evaluate.metrics import (
+    greedy_samples,
+    mixture_metrics,
+    perplexity,
+    token_byte_lengths,
+    unigram_perplexity,
+)
 from components.evaluate.report import identity_rows, report_html
 from components.hf import load_hf_model
+from components.mixture import source_blocks, source_refs
 from components.sharded_model import checkpoint_of, dataset_of, export_head, in_pod, launch_replicas
 from components.store import ArtifactStore, Manifest, Ref
 from components.stream import open_split
@@ -38,17 +45,28 @@ class EvalResult:
 
 
 def measure(
-    model_dir: Path, store: ArtifactStore, data: Manifest, cfg: EvalConfig
+    model_dir: Path, store: ArtifactStore, data: Manifest, cfg: EvalConfig, weights: dict | None = None
 ) -> tuple[dict[str, float], list[dict]]:
     """Metrics and samples of one model on the dataset's val split (its shards from the store;
-    the unigram baseline counts the first train blocks, never the whole train split)."""
+    the unigram baseline counts the first train blocks, never the whole train split). A
+    mixture's corpus: on each source's own val split (its first eval.val_blocks), and the
+    mixture's figures from them by `weights` (the model's; by default the val splits' sizes)."""
     model = load_hf_model(model_dir)
     tokenizer = load_tokenizer(store.fetch(data))
     val = open_split(store, data, "val")
     if len(val) == 0:
         raise EvalInputError(f"{data.ref}: the val split has zero blocks; nothing to evaluate")
     vocab = model.config.vocab_size
-    metrics = perplexity(model, val, cfg.val_blocks, cfg.batch_size, token_byte_lengths(tokenizer, vocab))
+    lengths = token_byte_lengths(tokenizer, vocab)
+    if sources := source_refs(data):
+        per = {}
+        for name, ref in sources.items():
+            own = open_split(store, store.manifest(Ref.parse(ref)), "val")
+            per[name] = perplexity(model, own, cfg.val_blocks, cfg.batch_size, lengths)
+            own.close()
+        metrics = mixture_metrics(per, weights or source_blocks(data, "val"))
+    else:
+        metrics = perplexity(model, val, cfg.val_blocks, cfg.batch_size, lengths)
     train = open_split(store, data, "train", cache_gb=UNIGRAM_CACHE_GB)
     metrics["unigram_perplexity"] = unigram_perplexity(train, val, cfg.val_blocks, vocab)
     val.close()
@@ -133,10 +151,11 @@ def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore, cluster:
     data = store.manifest(Ref.parse(data_ref))
     if in_pod(cfg, model_manifest, pod_memory_gb):
         model_dir = store.fetch(model_manifest)
-        metrics, samples = measure(model_dir, store, data, cfg)
+        weights = {n: m["weight"] for n, m in model_manifest.metadata.get("mixture", {}).items()}
+        metrics, samples = measure(model_dir, store, data, cfg, weights)
         base = None
         if cfg.baseline:
-            base = measure(store.fetch(store.manifest(Ref.parse(cfg.baseline))), store, data, cfg)[0]
+            base = measure(store.fetch(store.manifest(Ref.parse(cfg.baseline))), store, data, cfg, weights)[0]
     else:
         metrics, samples, base = measure_on_replicas(model_ref, cfg, cluster, store_cfg, store)
         model_dir = export_head(store, model_manifest)  # its config and training curves: no weights

@@ -17,8 +17,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from components.blocks import load_tokenizer
 from components.checkpoint_fetch import everyone
-from components.evaluate.metrics import greedy_samples, perplexity_metrics, token_byte_lengths, unigram_perplexity
+from components.evaluate.metrics import (
+    greedy_samples,
+    mixture_metrics,
+    perplexity_metrics,
+    token_byte_lengths,
+    unigram_perplexity,
+)
 from components.evaluate.stage import UNIGRAM_CACHE_GB
+from components.mixture import source_blocks, source_refs
 from components.sharded_model import ShardedLoadFailed, config_path, load_sharded, my_batches, run_replica, summed
 from components.store import ArtifactStore, Ref
 from components.stream import open_split
@@ -81,7 +88,19 @@ def measure_sharded(store: ArtifactStore, model_ref: str, data_ref: str, cfg, de
         model = load_sharded(store, manifest, device, store.cache_dir)
     except ShardedLoadFailed as e:
         raise EvalFailed(str(e)) from None
-    metrics = sharded_perplexity(model, val, cfg, token_byte_lengths(tokenizer, model.config.vocab_size), device)
+    lengths = token_byte_lengths(tokenizer, model.config.vocab_size)
+    if sources := source_refs(data):  # a mixture: each source's own val split, then the mixture's figures
+        per = {}
+        for name, ref in sources.items():
+            own, failures = everyone(lambda ref=ref: open_split(store, store.manifest(Ref.parse(ref)), "val"))
+            if failures:
+                raise EvalFailed(f"{model_ref}: {failures[0][1]}")
+            per[name] = sharded_perplexity(model, own, cfg, lengths, device)
+            own.close()
+        weights = {n: m["weight"] for n, m in manifest.metadata.get("mixture", {}).items()}
+        metrics = mixture_metrics(per, weights or source_blocks(data, "val"))
+    else:
+        metrics = sharded_perplexity(model, val, cfg, lengths, device)
     val.close()
     samples = greedy_samples(model, tokenizer, cfg.prompts, cfg.max_new_tokens, device, in_step=True)
     if rank == 0:

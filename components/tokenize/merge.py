@@ -43,7 +43,10 @@ def dataset_stats(plan: Plan, shards: list[Manifest], data: DataConfig) -> dict:
     block_len = data.seq_len + 1
     if sum(splits[s]["documents"] for s in SPLITS) == 0:
         read = sum(p["documents_in"] for p in per)
-        raise DataError(f"no usable documents: {read} read, dropped {dropped} (data.min_chars={data.min_chars})")
+        source = f"data.sources.{data.name}: " if plan.shared else ""  # a mixture's source
+        raise DataError(
+            f"{source}no usable documents: {read} read, dropped {dropped} (data.min_chars={data.min_chars})"
+        )
     for split in ("val", "train"):
         if splits[split]["blocks"] == 0:
             raise DataError(

@@ -211,6 +211,8 @@ def make_plans(
         src = data.source(name)
         objects = objects_for(src, store)
         files = source_files(src, objects)
+        if files and sum(f.size for f in files) == 0:
+            raise DataError(f"data.sources.{name}: no documents: its {len(files)} file(s) are empty")
         listed[name] = (src, files, objects, dataset_fingerprint(src, tok, source_identity(src, files)))
     sampled = [] if tok.pretrained else sorted(fp for *_, fp in listed.values())
     ident = {"tokenizer": tokenizer_identity(tok), "sampled": sampled, "format": FORMAT_VERSION}

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+
+import pytest
 
 from components.config import compose
 from components.store import Ref, open_store
@@ -24,6 +27,37 @@ VERSIONED = ("dataset", "shard", "tokenizer")
 
 def newest_log(root) -> str:
     return max(root.rglob("run.log"), key=lambda p: p.stat().st_mtime).read_text()
+
+
+def val_loss_by_hand(store, model_dir, source_ref: str, n_blocks: int) -> float:
+    """Acceptance 4's second computation: the source's first val blocks read from its shard's
+    Arrow file with pyarrow, the model loaded by transformers, the loss by torch, summed here."""
+    import pyarrow as pa
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    for shard in store.manifest(Ref.parse(source_ref)).metadata["shards"]:
+        path = store.fetch(Ref.parse(shard["ref"])) / "val.arrow"
+        rows += pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("input_ids").to_pylist()
+    ids = torch.tensor(rows[:n_blocks], dtype=torch.int64)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, :-1]).logits.float()
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()))
+
+
+def check_per_source_eval(store, model, corpus) -> None:
+    """The eval artifact's per-source val losses equal a direct computation on each source's val
+    split, and the mixture's is their weighed sum by the model's weights."""
+    (evaluated,) = [e for e in store.ls("eval") if str(model.ref) in e.parents]
+    metrics, n = evaluated.metadata["metrics"], compose(MIX).eval.val_blocks
+    model_dir = store.fetch(model.ref)
+    by_hand = {s: val_loss_by_hand(store, model_dir, ref, n) for s, ref in corpus.metadata["sources"].items()}
+    for s, loss in by_hand.items():
+        assert math.isclose(metrics[f"val_loss/{s}"], loss, rel_tol=1e-4), (s, metrics[f"val_loss/{s}"], loss)
+    assert math.isclose(metrics["val_loss"], 0.7 * by_hand["kjv"] + 0.3 * by_hand["pystdlib"], rel_tol=1e-4)
+    assert by_hand["kjv"] != by_hand["pystdlib"]
 
 
 def test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing(in_tmp):  # noqa: F811
@@ -48,6 +82,7 @@ def test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing(in_
         for s, w in (("kjv", 0.7), ("pystdlib", 0.3)):
             assert abs(counts[s] - w * n) <= 4 * math.sqrt(n * w * (1 - w)) + 1, (step, counts)
     assert sorted(drawn) == [5, 10] and mixture["kjv"]["drawn"] == drawn[10]["kjv"]
+    check_per_source_eval(store, model, corpus)
     before = {kind: sorted(str(m.ref) for m in store.ls(kind)) for kind in VERSIONED}
     assert main(["run", *MIX, "data.mixture.kjv=0.2", "data.mixture.pystdlib=0.8"]) == 0
     tasks = executed(newest_log(in_tmp / "runs"))
@@ -56,3 +91,35 @@ def test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing(in_
     models = {m.metadata["mixture"]["pystdlib"]["weight"]: m for m in store.ls("model")}
     assert sorted(models) == [0.3, 0.8] and models[0.8].parents[0] == str(corpus.ref)
     assert models[0.8].metadata["identity"] != models[0.3].metadata["identity"]
+
+
+def test_a_capped_source_that_cannot_feed_its_share_is_refused_before_any_task(in_tmp, capfd):  # noqa: F811
+    """Point 7: judged from the source's bytes before tokenize (at most one block per seq_len + 1
+    bytes): one line with the numbers, no task run, nothing stored."""
+    assert main(["run", *MIX, "data.sources.kjv.max_epochs=0.001"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "data.sources.kjv.max_epochs=0.001: the run draws about 56 samples of kjv (weight 0.7 x 80)" in err
+    assert not (in_tmp / "local_outputs").exists() and not (in_tmp / "artifacts").exists()
+
+
+@pytest.mark.chaos_slow  # 70 s, two whole runs: in `make chaos`, beside the learning-rate Optuna sweep
+def test_an_optuna_sweep_over_a_weight_reads_a_sources_bits_per_byte_from_the_store(in_tmp, capfd):  # noqa: F811
+    """Acceptance 5: Hydra's Optuna sweeper samples kjv's weight (pystdlib's stays: normalised);
+    each trial's objective is pystdlib's val bits per byte in its eval artifact; the table has
+    both sources' val losses side by side."""
+    objective = "val_bits_per_byte/pystdlib"
+    sweep = ["hydra/sweeper=optuna", "data.mixture.kjv=interval(0.2,0.8)", "hydra.sweeper.n_trials=2"]
+    assert main(["run", "-m", *sweep, *MIX, f"eval.objective={objective}"]) == 0
+    (folder,) = (in_tmp / "multirun").glob("*/*")
+    md = (folder / "sweep.md").read_text()
+    store = open_store(compose(MIX).store)
+    rows = [(float(k), float(v)) for k, v in re.findall(r"^\| \d \| data\.mixture\.kjv=(\S+) \| (\S+) \|$", md, re.M)]
+    assert len(rows) == 2 and rows[0][0] != rows[1][0]
+    for model in store.ls("model"):
+        weight = model.metadata["mixture"]["kjv"]["weight"]
+        (evaluated,) = [e for e in store.ls("eval") if str(model.ref) in e.parents]
+        value = evaluated.metadata["metrics"][objective]
+        (row,) = [(k, v) for k, v in rows if math.isclose(k / (k + 0.3), weight)]  # the normalised weight
+        assert math.isclose(row[1], value, rel_tol=1e-5), (row, value)
+    assert "| val loss kjv | val loss pystdlib |" in md and len(list(store.ls("model"))) == 2
