@@ -174,3 +174,43 @@ def test_a_source_with_no_documents_is_refused_at_the_plan_naming_it(tmp_path):
     with pytest.raises(DataError, match=r"^data.sources.pystdlib: no documents: its 1 file\(s\) are empty$"):
         make_plans(cfg.data, cfg.tokenizer, cfg.model, store)
     assert not list(store.ls("tokenizer"))  # refused before any tokenizer was made
+
+
+SERVE_VAL = """
+import sys, time
+from pathlib import Path
+from components.train.prometheus import Exporter
+exporter = Exporter("run1", 0, "node0", Path(sys.argv[1]))
+exporter.val({"all": 5.0, "kjv": 4.5, "pystdlib": 6.25})
+print(exporter.serve(int(sys.argv[2]), "127.0.0.1"), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_training_serves_each_sources_val_loss_to_prometheus(tmp_path):
+    """Point 4: the per-source val losses as a `source`-labelled gauge, scraped over HTTP from the
+    process that set them (as Prometheus scrapes a training node)."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_VAL, str(tmp_path / "prom"), str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        url = proc.stdout.readline().strip()
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        proc.kill()
+        proc.wait()
+    served = {
+        s.labels["source"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if family.name == "liftoff_val_loss"
+    }
+    assert served == {"all": 5.0, "kjv": 4.5, "pystdlib": 6.25}

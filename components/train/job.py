@@ -90,6 +90,7 @@ class Job:
     on_step: list = field(default_factory=list)  # callables(step), run as each step starts
     pipeline: Pipeline | None = None  # the schedule over this rank's stages, under train.pp > 1
     forward_dtypes: dict = field(default_factory=dict)  # dtypes seen inside a forward (mixed precision's effect)
+    val_sources: dict | None = None  # a mixture's val split per source, opened at the first validation
 
     @property
     def ckpt_root(self) -> Path:

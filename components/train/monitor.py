@@ -191,8 +191,11 @@ class Monitor:
         self._jsonl.write(json.dumps({"kind": "step", **record}) + "\n")
         self._tb_step(record)
 
-    def log_val(self, step: int, loss: float, blocks: int, seconds: float) -> None:
-        """Periodic validation's loss on the fixed held-out blocks (rank 0 records it)."""
+    def log_val(self, step: int, loss: float, blocks: int, seconds: float, sources: dict | None = None) -> None:
+        """Periodic validation's loss on the fixed held-out blocks (rank 0 records it); a
+        mixture's `sources`: each source's loss on its own first val blocks (`val_loss/<source>`)."""
+        if self.exporter is not None:
+            self.exporter.val({"all": loss, **(sources or {})})
         if self.rank != 0:
             return
         record = {
@@ -202,6 +205,7 @@ class Monitor:
             "val_blocks": blocks,
             "val_s": seconds,
             "time": time.time(),
+            **{f"val_loss/{name}": v for name, v in (sources or {}).items()},
         }
         log.info("step %d  val_loss %.4f  (%d held-out blocks, %.2fs)", step, loss, blocks, seconds)
         self._jsonl.write(json.dumps(record) + "\n")
@@ -231,6 +235,8 @@ class Monitor:
 
     def _tb_val(self, record: dict) -> None:
         self._tb.add_scalar("val/loss", record["val_loss"], record["step"], walltime=record.get("time"))
+        for key in (k for k in record if k.startswith("val_loss/")):  # a mixture's sources
+            self._tb.add_scalar(f"val/loss/{key[9:]}", record[key], record["step"], walltime=record.get("time"))
 
     def event(self, kind: str, **fields) -> None:
         routine = kind in ("start", "end")  # the run's bookends are records, not warnings

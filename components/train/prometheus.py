@@ -40,6 +40,10 @@ OTHER = {
     "liftoff_train_loss_spikes_total": ("counter", "loss spikes seen (train.loss_spike_factor)"),
     "liftoff_straggler_zscore": ("gauge", "leave-one-out z-score of each rank's forward time (rank 0 reports)"),
     "liftoff_train_planned_steps": ("gauge", "train.steps: the step the run ends at (a stall is short of it)"),
+    "liftoff_val_loss": (
+        "gauge",
+        "periodic validation's loss: source=all the run's val blocks, else a mixture's source",
+    ),
 }
 METRICS = {**{name: "gauge" for name in STEP_GAUGES}, **{name: kind for name, (kind, _) in OTHER.items()}}
 LABELS = ("run", "rank", "node")
@@ -73,6 +77,8 @@ class Exporter:
                         multiprocess_mode="mostrecent", registry=None)  # fmt: skip
         self._planned = Gauge("liftoff_train_planned_steps", OTHER["liftoff_train_planned_steps"][1], LABELS,
                               multiprocess_mode="mostrecent", registry=None)  # fmt: skip
+        self._val = Gauge("liftoff_val_loss", OTHER["liftoff_val_loss"][1], (*LABELS, "source"),
+                          multiprocess_mode="mostrecent", registry=None)  # fmt: skip
         self._spikes.labels(**self.labels)  # served as 0 from the start, not only after a spike
         self.server = None
 
@@ -98,6 +104,11 @@ class Exporter:
             value = record.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._gauges[name].labels(**self.labels).set(float(value))
+
+    def val(self, losses: dict[str, float]) -> None:
+        """Periodic validation's losses by source (`all`: the run's val blocks)."""
+        for source, loss in losses.items():
+            self._val.labels(**self.labels, source=source).set(float(loss))
 
     def spike(self) -> None:
         self._spikes.labels(**self.labels).inc()

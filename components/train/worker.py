@@ -27,6 +27,8 @@ from components.models import count_params, spec_of
 from components.parallel.apply import gradient_sync
 from components.parallel.tensor import local_loss, loss_scope
 from components.prelaunch import ResumeError
+from components.store import Ref
+from components.stream import open_split
 from components.train import checkpoint as ckpt
 from components.train import sdc
 from components.train.guards import GuardHalt, add_window, past_skipped
@@ -317,23 +319,44 @@ def val_loss(job: Job) -> tuple[float, int] | None:
     """(mean token loss, blocks) of the model as it trains on the first VAL_BLOCKS val blocks, in
     micro batches: the same blocks every time, so the curve compares like with like. Every rank
     runs it (a collective under FSDP), without gradients; compiled blocks run eagerly."""
+    return mean_loss(job, job.val)
+
+
+def mean_loss(job: Job, blocks) -> tuple[float, int] | None:
     from components.blocks import batches
 
-    n = min(VAL_BLOCKS, len(job.val))
+    n = min(VAL_BLOCKS, len(blocks))
     if n == 0:
         return None
     total = 0.0
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        for batch in batches(job.val, n, job.train.micro_batch_size):
+        for batch in batches(blocks, n, job.train.micro_batch_size):
             total += float(micro_loss(job, batch.to(job.device))) * len(batch)  # blocks of one length: a token mean
     return total / n, n
+
+
+def source_val_losses(job: Job) -> dict[str, float]:
+    """A mixture's val loss per source, each on its own dataset's first VAL_BLOCKS val blocks
+    (opened on first use); {} for one source."""
+    if not job.spec.mixture:
+        return {}
+    if job.val_sources is None:
+        refs = job.store.manifest(Ref.parse(job.spec.dataset)).metadata["sources"]
+        job.val_sources = {
+            name: open_split(job.store, job.store.manifest(Ref.parse(ref)), "val", job.spec.data_cache_gb,
+                             on_wait=job.watchdog.beat)
+            for name, ref in refs.items()
+        }  # fmt: skip
+    measured = {name: mean_loss(job, blocks) for name, blocks in job.val_sources.items()}
+    return {name: m[0] for name, m in measured.items() if m is not None}
 
 
 def validate(job: Job, step: int) -> None:
     t0 = time.perf_counter()
     measured = val_loss(job)
     if measured is not None:
-        job.monitor.log_val(step, *measured, time.perf_counter() - t0)
+        sources = source_val_losses(job)
+        job.monitor.log_val(step, *measured, time.perf_counter() - t0, sources)
 
 
 def install_plugin(job: Job, state: TrainState) -> None:

@@ -60,6 +60,23 @@ def check_per_source_eval(store, model, corpus) -> None:
     assert by_hand["kjv"] != by_hand["pystdlib"]
 
 
+def check_per_source_val_in_training(store, model, corpus, records: list[dict]) -> None:
+    """Training's periodic validation per source: the record's `val_loss/<source>` is the final
+    model's loss on that source's first val blocks, computed by hand; TensorBoard has its curve."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from components.train.worker import VAL_BLOCKS
+
+    (val,) = [r for r in records if r.get("kind") == "val" and r["step"] == 10]  # the last step validates
+    model_dir = store.fetch(model.ref)
+    for s, ref in corpus.metadata["sources"].items():
+        by_hand = val_loss_by_hand(store, model_dir, ref, VAL_BLOCKS)
+        assert math.isclose(val[f"val_loss/{s}"], by_hand, rel_tol=1e-3), (s, val, by_hand)
+    (events,) = (model_dir / "tensorboard").glob("events.out.tfevents.*")
+    tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert {"val/loss", "val/loss/kjv", "val/loss/pystdlib"} <= set(tags)
+
+
 def test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing(in_tmp):  # noqa: F811
     """Acceptance 1 and 2: the run's own records count the samples each source gave at two
     prefixes of the run, within the binomial tolerance of its weight; the model names both
@@ -83,6 +100,7 @@ def test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing(in_
             assert abs(counts[s] - w * n) <= 4 * math.sqrt(n * w * (1 - w)) + 1, (step, counts)
     assert sorted(drawn) == [5, 10] and mixture["kjv"]["drawn"] == drawn[10]["kjv"]
     check_per_source_eval(store, model, corpus)
+    check_per_source_val_in_training(store, model, corpus, records)
     before = {kind: sorted(str(m.ref) for m in store.ls(kind)) for kind in VERSIONED}
     assert main(["run", *MIX, "data.mixture.kjv=0.2", "data.mixture.pystdlib=0.8"]) == 0
     tasks = executed(newest_log(in_tmp / "runs"))

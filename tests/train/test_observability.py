@@ -175,7 +175,8 @@ JOB_WIDE = {"liftoff_train_step", "liftoff_train_loss", "liftoff_train_grad_norm
             "liftoff_train_skipped_steps"}  # fmt: skip
 SPIKES = "liftoff_train_loss_spikes_total"  # counts metrics.jsonl's loss_spike events
 PLANNED = ("liftoff_train_planned_steps", 30)  # train.steps, served from the start
-UNRECORDED = {"liftoff_straggler_zscore"}  # metrics.jsonl has straggler verdicts, not z-scores
+# metrics.jsonl has straggler verdicts, not z-scores; val losses in val records, not in step records
+UNRECORDED = {"liftoff_straggler_zscore", "liftoff_val_loss"}
 
 
 def _same(served: float, recorded) -> bool:
