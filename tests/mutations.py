@@ -1085,6 +1085,31 @@ MUTATIONS = [
         '        ("data.mixture", True,',
         ("tests/test_mixture.py::test_a_bad_mixture_fails_at_compose_naming_the_key",),
     ),
+    Mutation(
+        "mixture: training validates the corpus only, no source on its own",
+        "components/train/worker.py",
+        "        sources = source_val_losses(job)\n",
+        "        sources = {}\n",
+        (
+            "tests/pipeline/test_mixture_run.py::test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing",
+        ),
+    ),
+    Mutation(
+        "mixture: TensorBoard gets no per-source val curve",
+        "components/train/monitor.py",
+        '        for key in (k for k in record if k.startswith("val_loss/")):  # a mixture\'s sources\n',
+        "        for key in ():\n",
+        (
+            "tests/pipeline/test_mixture_run.py::test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing",
+        ),
+    ),
+    Mutation(
+        "mixture: Prometheus serves no per-source val loss",
+        "components/train/prometheus.py",
+        "            self._val.labels(**self.labels, source=source).set(float(loss))\n",
+        "            self._val.labels(**self.labels, source=source).set(0.0)\n",
+        ("tests/test_mixture.py::test_a_training_serves_each_sources_val_loss_to_prometheus",),
+    ),
 ]
 
 
