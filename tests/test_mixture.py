@@ -214,3 +214,32 @@ def test_a_training_serves_each_sources_val_loss_to_prometheus(tmp_path):
         if family.name == "liftoff_val_loss"
     }
     assert served == {"all": 5.0, "kjv": 4.5, "pystdlib": 6.25}
+
+
+@pytest.mark.chaos_slow  # 80 s, three runs: in `make chaos`; the sampler's own part runs in make test above
+def test_a_two_node_mixture_run_resumed_on_one_node_reads_the_blocks_of_the_uninterrupted_run(trainer):
+    """Acceptance 3 with real training processes: 6 steps on 2 nodes, then 1 node (the same global
+    batch) seeded with that checkpoint to step 12, read exactly the blocks (hashed from the rows
+    handed to the model, by global sample) of an uninterrupted 12-step 2-node run."""
+    from components.config import compose as composed
+    from tests.faults import injected, read_batches
+    from tests.helpers import TWO_NODES
+
+    cfg = trainer.config(*MIX)
+    corpus = run_tokenize(cfg.data, cfg.tokenizer, cfg.model, trainer.store).manifest
+    assert composed(MIX).data.mixture == {"kjv": 0.7, "pystdlib": 0.3}
+    trainer.dataset = str(corpus.ref)
+    legs, whole, base = trainer.tmp / "legs", trainer.tmp / "whole", [*MIX, "train.checkpoint_interval=6"]
+    with injected(record_dir=str(legs)):
+        first = trainer.run(*base, *TWO_NODES, "train.micro_batch_size=4", "train.steps=6", data=cfg.data)
+        seed = f"train.resume={first.checkpoint_version}"
+        trainer.run(*base, "train.micro_batch_size=8", "train.steps=12", seed, data=cfg.data)
+    with injected(record_dir=str(whole)):  # another identity (its schedule): a run of its own
+        uninterrupted = trainer.run(*base, *TWO_NODES, "train.micro_batch_size=4", "train.steps=12", data=cfg.data)
+    got, want = read_batches(legs), read_batches(whole)
+    assert sorted(got) == sorted(want) == list(range(12 * 8))  # every position once
+    assert got == want  # the same block at each position
+    drawn = uninterrupted.model.metadata["mixture"]
+    assert drawn["kjv"]["drawn"] + drawn["pystdlib"]["drawn"] == 12 * 8
+    source_of = [row["source"] for row in corpus.metadata["shards"]]
+    assert {source_of[shard] for ((_, shard),) in want.values()} == {"kjv", "pystdlib"}
