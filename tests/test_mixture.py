@@ -216,7 +216,7 @@ def test_a_training_serves_each_sources_val_loss_to_prometheus(tmp_path):
     assert served == {"all": 5.0, "kjv": 4.5, "pystdlib": 6.25}
 
 
-@pytest.mark.chaos_slow  # 80 s, three runs: in `make chaos`; the sampler's own part runs in make test above
+@pytest.mark.chaos_slow  # 30-80 s, three runs: in `make chaos`; the sampler's own part runs in make test above
 def test_a_two_node_mixture_run_resumed_on_one_node_reads_the_blocks_of_the_uninterrupted_run(trainer):
     """Acceptance 3 with real training processes: 6 steps on 2 nodes, then 1 node (the same global
     batch) seeded with that checkpoint to step 12, read exactly the blocks (hashed from the rows
@@ -229,7 +229,8 @@ def test_a_two_node_mixture_run_resumed_on_one_node_reads_the_blocks_of_the_unin
     corpus = run_tokenize(cfg.data, cfg.tokenizer, cfg.model, trainer.store).manifest
     assert composed(MIX).data.mixture == {"kjv": 0.7, "pystdlib": 0.3}
     trainer.dataset = str(corpus.ref)
-    legs, whole, base = trainer.tmp / "legs", trainer.tmp / "whole", [*MIX, "train.checkpoint_interval=6"]
+    legs, whole = trainer.tmp / "legs", trainer.tmp / "whole"
+    base = [*MIX, "train.checkpoint_interval=6", "train.warmup_steps=2"]
     with injected(record_dir=str(legs)):
         first = trainer.run(*base, *TWO_NODES, "train.micro_batch_size=4", "train.steps=6", data=cfg.data)
         seed = f"train.resume={first.checkpoint_version}"
