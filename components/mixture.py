@@ -9,8 +9,12 @@ from components.config import DataConfig
 from components.prelaunch import DataFitError
 from components.store import Manifest
 
-# the low-discrepancy schedule gives each source its share of any prefix within a few samples
-SCHEDULE_SLACK = 4
+
+def schedule_slack(samples: int) -> int:
+    """How far a source's draws in the first `samples` can exceed weight x samples: the golden
+    ratio's Kronecker sequence has discrepancy O(log n) (its partial quotients are all 1: an
+    interval's count is within about 1.44 log2 n of its share); twice that, and 3, to spare."""
+    return 3 + 2 * math.ceil(math.log2(samples + 2))
 
 
 def source_refs(dataset: Manifest) -> dict[str, str]:
@@ -54,7 +58,7 @@ def check_mixture_feeds(data: DataConfig, dataset: Manifest, samples: int) -> No
     for name, w in weights.items():
         if w <= 0:
             continue
-        need = math.ceil(w * samples) + SCHEDULE_SLACK
+        need = min(samples, math.ceil(w * samples) + schedule_slack(samples))
         if blocks[name] == 0:
             raise DataFitError(f"data.mixture: source {name} has weight {w:.3g} but no train blocks")
         if name in caps and need > caps[name] * blocks[name]:

@@ -41,6 +41,25 @@ def blocks_per_step(train: TrainConfig, cluster: ClusterConfig) -> tuple[int, in
     return dp, train.micro_batch_size * train.grad_accum_steps * dp
 
 
+def check_seed_mixture(seed: dict, data: DataConfig, dataset: Manifest, where: str) -> None:
+    """A seeded run continues the seed's sample order, which a mixture's weights and caps decide
+    from sample 0: other weights would reread some blocks and skip others, so they are refused."""
+    from components.mixture import draw_weights, max_epochs
+
+    def rounded(w: dict) -> dict:
+        return {k: round(float(v), 9) for k, v in w.items()}
+
+    ours = (rounded(draw_weights(data, dataset)), max_epochs(data))
+    theirs = (rounded(seed.get("mixture", {})), seed.get("max_epochs", {}))
+    if ours != theirs:
+        raise ResumeError(
+            f"{where}: that run drew its sources by weights {theirs[0] or 'none (one source)'} and caps "
+            f"{theirs[1] or 'none'}, this one by {ours[0] or 'none (one source)'} and {ours[1] or 'none'}: a "
+            "seeded run continues the seed's sample order, which the weights decide from its first sample; "
+            "train with the seed's weights, or from scratch"
+        )
+
+
 def check_inputs(
     dataset: Manifest,
     model: ModelConfig,
@@ -95,6 +114,8 @@ def check_inputs(
             raise ResumeError(f"train.resume={train.resume}: no {ref} in {store.description}")
         seed = store.manifest(ref).metadata
         check_shape(seed, model, f"train.resume={train.resume}")
+        if data is not None:
+            check_seed_mixture(seed, data, dataset, f"train.resume={train.resume}")
         if isinstance(seed.get("step"), int) and seed["step"] >= train.steps:
             raise ResumeError(
                 f"train.resume={train.resume} is at step {seed['step']}, nothing left to train with "

@@ -192,9 +192,14 @@ def replica_jobs(typed, namespace: str) -> dict[str, dict]:
     from components.train.stage import train_launch
 
     dataset = f"dataset/{typed.data.name}@RENDERED"
+    from components.mixture import max_epochs
+
+    # a mixture's weights as configured (data.mixture {}: by the sources' sizes, known after tokenize)
+    weights = typed.data.weights({}) if typed.data.sources and typed.data.mixture else {}
     _, _, train = train_launch(
-        dataset, typed.model, typed.train, typed.cluster, typed.store, cache_gb=typed.data.cache_gb
-    )
+        dataset, typed.model, typed.train, typed.cluster, typed.store, cache_gb=typed.data.cache_gb,
+        mixture=weights, max_epochs=max_epochs(typed.data),
+    )  # fmt: skip
     preflight = preflight_launch(dataset, typed.model, typed.train, typed.cluster, typed.preflight, typed.store)
     return {
         stage: k8s.as_plain(kubernetes_job(launch, {"LIFTOFF_ATTEMPT": "0"}, namespace=namespace).request.resource)

@@ -1110,6 +1110,64 @@ MUTATIONS = [
         "            self._val.labels(**self.labels, source=source).set(0.0)\n",
         ("tests/test_mixture.py::test_a_training_serves_each_sources_val_loss_to_prometheus",),
     ),
+    Mutation(
+        "mixture: a rolled-back sampler counts on from where it was",
+        "components/train/data.py",
+        "        if sample < self.cursor:  # moved back (a rollback): count again from the start\n",
+        "        if False:\n",
+        ("tests/test_mixture.py::test_a_rolled_back_or_far_jumping_sampler_draws_what_a_fresh_one_does",),
+    ),
+    Mutation(
+        "mixture: a position before the schedule's window reads the window",
+        "components/train/data.py",
+        "            if not self._w0 <= start or stop > self._w0 + len(self._wsrc):\n",
+        "            if stop > self._w0 + len(self._wsrc):\n",
+        ("tests/test_mixture.py::test_a_rolled_back_or_far_jumping_sampler_draws_what_a_fresh_one_does",),
+    ),
+    Mutation(
+        "mixture: the corpus's version from its sources' names only",
+        "components/tokenize/merge.py",
+        "    version = hashlib.sha256(json.dumps(refs, sort_keys=True).encode()).hexdigest()[:16]\n",
+        "    version = hashlib.sha256(json.dumps(sorted(refs)).encode()).hexdigest()[:16]\n",
+        ("tests/test_mixture.py::test_a_sources_version_changes_with_its_own_blocks_only",),
+    ),
+    Mutation(
+        "mixture: a source's version without the shared tokenizer's",
+        "components/tokenize/plan.py",
+        '        version = hashlib.sha256(f"{fp}:{shared.version}".encode()).hexdigest()[:16]\n',
+        "        version = fp\n",
+        ("tests/test_mixture.py::test_a_sources_version_changes_with_its_own_blocks_only",),
+    ),
+    Mutation(
+        "mixture: the BPE's version from every source's whole fingerprint (a shard count retokenizes all)",
+        "components/tokenize/plan.py",
+        "    sampled = [] if tok.pretrained else sorted(sample_identity(s, f) for s, f, _, _ in listed.values())\n",
+        "    sampled = [] if tok.pretrained else sorted(fp for *_, fp in listed.values())\n",
+        ("tests/test_mixture.py::test_a_sources_version_changes_with_its_own_blocks_only",),
+    ),
+    Mutation(
+        "mixture: the mixture's bits per byte over unweighed bytes",
+        "components/evaluate/metrics.py",
+        "        val_bits_per_byte=loss / math.log(2) / sum(w[n] * b for n, b in bytes_per_token.items()),\n",
+        "        val_bits_per_byte=loss / math.log(2) / (sum(bytes_per_token.values()) / len(bytes_per_token)),\n",
+        (
+            "tests/pipeline/test_mixture_run.py::test_a_two_source_run_draws_by_weight_and_other_weights_tokenize_nothing",
+        ),
+    ),
+    Mutation(
+        "mixture: preflight's cap check with a constant slack",
+        "components/mixture.py",
+        "    return 3 + 2 * math.ceil(math.log2(samples + 2))\n",
+        "    return 4\n",
+        ("tests/test_mixture.py::test_the_preflight_check_bounds_the_schedules_excess_over_long_runs",),
+    ),
+    Mutation(
+        "mixture: a seeded run of other weights continues the seed's order",
+        "components/prelaunch.py",
+        '            check_seed_mixture(seed, data, dataset, f"train.resume={train.resume}")\n',
+        "            pass\n",
+        ("tests/test_mixture.py::test_a_run_seeded_with_a_checkpoint_of_other_weights_is_refused",),
+    ),
 ]
 
 

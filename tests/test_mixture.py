@@ -156,7 +156,7 @@ def test_a_mixture_that_cannot_feed_the_run_is_refused_before_training(mixed):
     cfg, store, corpus = mixed
     kjv = corpus.metadata["stats"]["sources"]["kjv"]["train"]["blocks"]
     capped = OmegaConf.to_object(compose([*MIX, "data.sources.kjv.max_epochs=1.0"]))
-    check_mixture_feeds(capped.data, corpus, int(kjv / 0.7) - 10)  # just within one pass
+    check_mixture_feeds(capped.data, corpus, int(kjv / 0.7) - 100)  # within one pass, the schedule's slack too
     with pytest.raises(DataFitError, match=rf"the run draws about \d+ samples of kjv .* its {kjv} train blocks"):
         check_mixture_feeds(capped.data, corpus, int(kjv / 0.7) + 10)
     assert defaults("data").sources == {}
@@ -244,3 +244,86 @@ def test_a_two_node_mixture_run_resumed_on_one_node_reads_the_blocks_of_the_unin
     assert drawn["kjv"]["drawn"] + drawn["pystdlib"]["drawn"] == 12 * 8
     source_of = [row["source"] for row in corpus.metadata["shards"]]
     assert {source_of[shard] for ((_, shard),) in want.values()} == {"kjv", "pystdlib"}
+
+
+def test_a_rolled_back_or_far_jumping_sampler_draws_what_a_fresh_one_does(mixed):
+    """A rollback (a spike's rewind) moves the position back; a rank's batches skip the other
+    ranks' samples; a micro-batch can outgrow the schedule's window: each answer equals a fresh
+    sampler's, asked once at that position."""
+    cfg, store, corpus = mixed
+    blocks = open_split(store, corpus, "train")
+    mix = Mixture.of(blocks, {"kjv": 0.3, "pystdlib": 0.7})
+    moving = BlockSampler(blocks, 8, 1, 3, 2, 5, mix)
+    for sample in (0, 24, 9000, 48, 240, 12000, 30, 96, 5000, 5000 + 24):
+        fresh = BlockSampler(blocks, 8, 1, 3, 2, 5, mix)
+        assert moving.indices(sample) == fresh.indices(sample), sample
+        assert moving.drawn(sample) == fresh.drawn(sample), sample
+    big = BlockSampler(blocks, 5000, 1, 1, 0, 5, mix)  # a micro-batch wider than the window
+    assert big.locate_many(100, 5100) == BlockSampler(blocks, 8, 1, 1, 0, 5, mix).locate_many(100, 5100)
+
+
+def test_a_sources_version_changes_with_its_own_blocks_only(mixed, tmp_path):
+    """Another shard count for one source makes that source's blocks, hence its version, anew,
+    and keeps the other source's version and the shared tokenizer (a BPE's version is what it
+    samples); another filter for one source retrains the tokenizer: every version and the
+    corpus's change."""
+    from components.tokenize.plan import make_plans
+
+    cfg, store, corpus = mixed
+    halves = tmp_path / "pystdlib"
+    halves.mkdir()
+    lines = (ROOT / "corpus" / "pystdlib.jsonl").read_text().splitlines(keepends=True)
+    for i in range(2):
+        (halves / f"part{i}.jsonl").write_text("".join(lines[i::2]))
+    fresh = [f"store.root={tmp_path / 'store'}", f"store.cache_dir={tmp_path / 'cache'}"]
+    versions = []
+    for shards in (1, 2):
+        over = [*MIX, *fresh, f"data.sources.pystdlib.paths=[{halves}]", f"data.sources.pystdlib.shards={shards}"]
+        c = OmegaConf.to_object(compose(over))
+        plans, _ = make_plans(c.data, c.tokenizer, c.model, open_store(c.store))
+        versions.append({p.dataset.name: (str(p.dataset), p.shared) for p in plans})
+    assert versions[0]["kjv"] == versions[1]["kjv"]  # same dataset version, same shared tokenizer
+    assert versions[0]["pystdlib"][0] != versions[1]["pystdlib"][0]
+    other = OmegaConf.to_object(compose([*MIX, "data.sources.pystdlib.min_chars=20", *fresh[:1]]))
+    again = run_tokenize(other.data, other.tokenizer, other.model, store).manifest
+    assert again.ref != corpus.ref and set(again.parents).isdisjoint(corpus.parents)
+
+
+def test_the_preflight_check_bounds_the_schedules_excess_over_long_runs(mixed):
+    """At 4.1 M samples a source of weight 0.0403 gets 5 draws more than its share: a cap that
+    the share alone would pass is refused, with the schedule's own count as the truth."""
+    from types import SimpleNamespace
+
+    from components.mixture import check_mixture_feeds
+
+    cfg, store, corpus = mixed
+    weights, n = {"kjv": 0.0403251680058681, "pystdlib": 1 - 0.0403251680058681}, 4_126_647
+    blocks = open_split(store, corpus, "train")
+    drawn = BlockSampler(blocks, 8, 1, 1, 0, 0, Mixture.of(blocks, weights)).drawn(n)["kjv"]
+    assert drawn > math.ceil(weights["kjv"] * n)  # the schedule's excess at this length
+    over = [*MIX, f"data.mixture.kjv={weights['kjv']}", f"data.mixture.pystdlib={weights['pystdlib']}"]
+    capped = OmegaConf.to_object(compose([*over, "data.sources.kjv.max_epochs=1.0"]))
+    stats = {s: {"train": {"blocks": b}} for s, b in (("kjv", drawn - 1), ("pystdlib", n))}
+    fake = SimpleNamespace(
+        ref=corpus.ref, metadata={"sources": corpus.metadata["sources"], "stats": {"sources": stats}}
+    )
+    with pytest.raises(DataFitError, match="data.sources.kjv.max_epochs=1"):
+        check_mixture_feeds(capped.data, fake, n)
+
+
+def test_a_run_seeded_with_a_checkpoint_of_other_weights_is_refused(mixed, tmp_path):
+    from components.prelaunch import ResumeError, check_inputs
+
+    cfg, store, corpus = mixed
+    seed_dir = tmp_path / "seed"
+    seed_dir.mkdir()
+    (seed_dir / "meta.json").write_text("{}")
+    model = {k: v for k, v in OmegaConf.to_container(compose(MIX).model).items() if v is not None}
+    meta = {"step": 3, "model": model, "mixture": {"kjv": 0.7, "pystdlib": 0.3}, "max_epochs": {}}
+    store.publish("checkpoint", cfg.model.name, "seeded-0.7", seed_dir, metadata=meta)
+    other = OmegaConf.to_object(compose([*MIX, "train.resume=seeded-0.7", "data.mixture.kjv=0.5"]))
+    args = (corpus, other.model, other.train, other.cluster, store, other.data.cache_gb)
+    with pytest.raises(ResumeError, match=r"that run drew its sources by weights \{'kjv': 0.7, 'pystdlib': 0.3\}"):
+        check_inputs(*args, data=other.data)
+    same = OmegaConf.to_object(compose([*MIX, "train.resume=seeded-0.7"]))
+    check_inputs(corpus, same.model, same.train, same.cluster, store, same.data.cache_gb, data=same.data)

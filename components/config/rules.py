@@ -107,6 +107,7 @@ def mixture_rules(data: DataConfig) -> list[tuple[str, bool, str]]:
             f"the weights sum to 0 ({dict(data.mixture)}): give at least one source a weight above 0",
         ),
         ("data.sources", data.name not in data.sources, f"a source is named data.name={data.name}: rename one"),
+        ("data.sources", "all" not in data.sources, "a source is named all, which Prometheus's source=all means"),
         ("data.sources", not capped, f"max_epochs must be > 0, got {capped}"),
         (
             "data.sources",
@@ -278,9 +279,12 @@ def preflight_rules(preflight: PreflightConfig, cluster: ClusterConfig | None = 
 EVAL_LAUNCH = ("auto", "pod", "replicas")  # where validate and evaluate load the model
 
 
-def eval_rules(ev: EvalConfig) -> list[str]:
+def eval_rules(ev: EvalConfig, data: DataConfig | None = None) -> list[str]:
     metric, _, source = ev.objective.partition("/")
     per_source = bool(source) and metric in ("val_loss", "val_perplexity", "val_bits_per_byte")
+    if per_source and data is not None and source not in data.sources:
+        names = ", ".join(data.sources) or "none: data.sources is empty"
+        return [f"eval.objective={ev.objective}: {source} is not a source of the mixture ({names})"]
     known = ev.objective in EVAL_METRICS or ev.objective.startswith("lm_eval/") or per_source
     why = (
         f"{ev.objective!r} is not a metric evaluate records ({', '.join(EVAL_METRICS)}, lm_eval/..., or a "
@@ -349,7 +353,7 @@ GROUP_RULES: dict[str, tuple[Callable[..., list[str]], tuple[str, ...]]] = {
     "model": (model_rules, ()),
     "train": (train_rules, ("cluster", "model")),  # dp_replicate and tp divide the world; tp the heads
     "preflight": (preflight_rules, ("cluster",)),  # preflight.min_healthy_nodes <= cluster.nodes
-    "eval": (eval_rules, ()),
+    "eval": (eval_rules, ("data",)),  # a per-source objective names a source of data.sources
     "cluster": (cluster_rules, ()),
     "store": (store_rules, ()),
     "kfp": (kfp_rules, ()),

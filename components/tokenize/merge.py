@@ -41,17 +41,17 @@ def dataset_stats(plan: Plan, shards: list[Manifest], data: DataConfig) -> dict:
         for k, v in p["dropped"].items():
             dropped[k] = dropped.get(k, 0) + v
     block_len = data.seq_len + 1
+    source = f"data.sources.{data.name}: " if plan.shared else ""  # a mixture's source
     if sum(splits[s]["documents"] for s in SPLITS) == 0:
         read = sum(p["documents_in"] for p in per)
-        source = f"data.sources.{data.name}: " if plan.shared else ""  # a mixture's source
         raise DataError(
             f"{source}no usable documents: {read} read, dropped {dropped} (data.min_chars={data.min_chars})"
         )
     for split in ("val", "train"):
         if splits[split]["blocks"] == 0:
             raise DataError(
-                f"data.seq_len={data.seq_len}: the {split} split has {splits[split]['tokens']} tokens, fewer than one "
-                f"block of {block_len}; lower data.seq_len, raise data.val_fraction or add data"
+                f"{source}data.seq_len={data.seq_len}: the {split} split has {splits[split]['tokens']} tokens, fewer "
+                f"than one block of {block_len}; lower data.seq_len, raise data.val_fraction or add data"
             )
     return {
         "documents_in": sum(p["documents_in"] for p in per),

@@ -87,6 +87,21 @@ def dataset_fingerprint(data: DataConfig, tok: TokenizerConfig, source: dict) ->
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def sample_identity(data: DataConfig, files: list[SourceFile]) -> str:
+    """What a BPE's sample of one source depends on: its documents and the filters that pick the
+    training ones (not its shards or the block length, which change only the blocks)."""
+    ident = {
+        "source": source_identity(data, files),
+        "text_field": data.text_field,
+        "min_chars": data.min_chars,
+        "dedup": data.dedup,
+        "val_fraction": data.val_fraction,
+        "split_seed": data.split_seed,
+        "max_doc_bytes": data.max_doc_bytes,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
 def check_vocab(vocab_size: int, model: ModelConfig, what: str) -> None:
     if model.vocab_size is not None and vocab_size > model.vocab_size:
         raise DataError(f"{what} has {vocab_size} tokens, more than model.vocab_size={model.vocab_size}")
@@ -214,7 +229,7 @@ def make_plans(
         if files and sum(f.size for f in files) == 0:
             raise DataError(f"data.sources.{name}: no documents: its {len(files)} file(s) are empty")
         listed[name] = (src, files, objects, dataset_fingerprint(src, tok, source_identity(src, files)))
-    sampled = [] if tok.pretrained else sorted(fp for *_, fp in listed.values())
+    sampled = [] if tok.pretrained else sorted(sample_identity(s, f) for s, f, _, _ in listed.values())
     ident = {"tokenizer": tokenizer_identity(tok), "sampled": sampled, "format": FORMAT_VERSION}
     shared = Ref("tokenizer", data.name, hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16])
     plans, stored, tokenizer = [], True, None

@@ -288,6 +288,7 @@ def checkpoint(job: Job, state: TrainState) -> None:
             "model": drop_none(as_plain_dict(job.model_cfg)),
             "world": job.world,
             "dataset": job.spec.dataset,
+            **({"mixture": job.spec.mixture, "max_epochs": job.spec.max_epochs} if job.spec.mixture else {}),
         }
         if job.scaler is not None:
             meta["scaler_scale"] = job.scaler.get_scale()

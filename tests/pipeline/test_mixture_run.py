@@ -29,7 +29,7 @@ def newest_log(root) -> str:
     return max(root.rglob("run.log"), key=lambda p: p.stat().st_mtime).read_text()
 
 
-def val_loss_by_hand(store, model_dir, source_ref: str, n_blocks: int) -> float:
+def val_by_hand(store, model_dir, source_ref: str, n_blocks: int) -> tuple[float, float]:
     """Acceptance 4's second computation: the source's first val blocks read from its shard's
     Arrow file with pyarrow, the model loaded by transformers, the loss by torch, summed here."""
     import pyarrow as pa
@@ -44,7 +44,18 @@ def val_loss_by_hand(store, model_dir, source_ref: str, n_blocks: int) -> float:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     with torch.no_grad():
         logits = model(input_ids=ids[:, :-1]).logits.float()
-    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()))
+    loss = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()))
+    # bytes per target token from tokenizer.json itself: a byte-level BPE token's string has one
+    # character per byte; added (special) tokens stand for no text
+    spec = json.loads((store.fetch(Ref.parse(source_ref)) / "tokenizer" / "tokenizer.json").read_text())
+    length = {i: len(s) for s, i in spec["model"]["vocab"].items()}
+    length.update({t["id"]: 0 for t in spec["added_tokens"]})
+    nbytes = sum(length[t] for t in ids[:, 1:].flatten().tolist())
+    return loss, loss * ids[:, 1:].numel() / math.log(2) / nbytes
+
+
+def val_loss_by_hand(store, model_dir, source_ref: str, n_blocks: int) -> float:
+    return val_by_hand(store, model_dir, source_ref, n_blocks)[0]
 
 
 def check_per_source_eval(store, model, corpus) -> None:
@@ -53,11 +64,18 @@ def check_per_source_eval(store, model, corpus) -> None:
     (evaluated,) = [e for e in store.ls("eval") if str(model.ref) in e.parents]
     metrics, n = evaluated.metadata["metrics"], compose(MIX).eval.val_blocks
     model_dir = store.fetch(model.ref)
-    by_hand = {s: val_loss_by_hand(store, model_dir, ref, n) for s, ref in corpus.metadata["sources"].items()}
-    for s, loss in by_hand.items():
+    both = {s: val_by_hand(store, model_dir, ref, n) for s, ref in corpus.metadata["sources"].items()}
+    by_hand = {s: loss for s, (loss, _) in both.items()}
+    for s, (loss, bpb) in both.items():
         assert math.isclose(metrics[f"val_loss/{s}"], loss, rel_tol=1e-4), (s, metrics[f"val_loss/{s}"], loss)
-    assert math.isclose(metrics["val_loss"], 0.7 * by_hand["kjv"] + 0.3 * by_hand["pystdlib"], rel_tol=1e-4)
-    assert by_hand["kjv"] != by_hand["pystdlib"]
+        assert math.isclose(metrics[f"val_bits_per_byte/{s}"], bpb, rel_tol=1e-4), (s, bpb)
+        assert math.isclose(metrics[f"val_perplexity/{s}"], math.exp(loss), rel_tol=1e-4)
+    w = {"kjv": 0.7, "pystdlib": 0.3}
+    assert math.isclose(metrics["val_loss"], sum(w[s] * by_hand[s] for s in w), rel_tol=1e-4)
+    bytes_per_token = {s: loss / math.log(2) / bpb for s, (loss, bpb) in both.items()}  # each source's text
+    mixed_bpb = sum(w[s] * by_hand[s] for s in w) / math.log(2) / sum(w[s] * bytes_per_token[s] for s in w)
+    assert math.isclose(metrics["val_bits_per_byte"], mixed_bpb, rel_tol=1e-4)
+    assert by_hand["kjv"] != by_hand["pystdlib"] and bytes_per_token["kjv"] != bytes_per_token["pystdlib"]
 
 
 def check_per_source_val_in_training(store, model, corpus, records: list[dict]) -> None:
