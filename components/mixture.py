@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from components.config import DataConfig
-from components.prelaunch import DataFitError
+from components.identity import mixture_identity
+from components.prelaunch import DataFitError, ResumeError
 from components.store import Manifest
 
 
@@ -48,6 +49,34 @@ def draw_weights(data: DataConfig, dataset: Manifest) -> dict[str, float]:
 def max_epochs(data: DataConfig) -> dict[str, float]:
     """The sources' caps on passes over their train blocks (the capped ones only)."""
     return {name: src.max_epochs for name, src in data.sources.items() if src.max_epochs is not None}
+
+
+def identity_of(data: DataConfig, dataset: Manifest) -> dict:
+    """What of a mixture enters the training identity (`components.identity.mixture_identity`)."""
+    return mixture_identity(draw_weights(data, dataset), max_epochs(data))
+
+
+def trained_weights(model: Manifest) -> dict[str, float]:
+    """The weights a model's run drew its sources by ({} for one source), from its metadata."""
+    return {name: m["weight"] for name, m in model.metadata.get("mixture", {}).items()}
+
+
+def check_seed_mixture(seed: dict, data: DataConfig, dataset: Manifest, where: str) -> None:
+    """A seeded run continues the seed's sample order, which a mixture's weights and caps decide
+    from sample 0: other weights would reread some blocks and skip others, so they are refused."""
+
+    def rounded(w: dict) -> dict:
+        return {k: round(float(v), 9) for k, v in w.items()}
+
+    ours = (rounded(draw_weights(data, dataset)), max_epochs(data))
+    theirs = (rounded(seed.get("mixture", {})), seed.get("max_epochs", {}))
+    if ours != theirs:
+        raise ResumeError(
+            f"{where}: that run drew its sources by weights {theirs[0] or 'none (one source)'} and caps "
+            f"{theirs[1] or 'none'}, this one by {ours[0] or 'none (one source)'} and {ours[1] or 'none'}: a "
+            "seeded run continues the seed's sample order, which the weights decide from its first sample; "
+            "train with the seed's weights, or from scratch"
+        )
 
 
 def check_mixture_feeds(data: DataConfig, dataset: Manifest, samples: int) -> None:

@@ -41,25 +41,6 @@ def blocks_per_step(train: TrainConfig, cluster: ClusterConfig) -> tuple[int, in
     return dp, train.micro_batch_size * train.grad_accum_steps * dp
 
 
-def check_seed_mixture(seed: dict, data: DataConfig, dataset: Manifest, where: str) -> None:
-    """A seeded run continues the seed's sample order, which a mixture's weights and caps decide
-    from sample 0: other weights would reread some blocks and skip others, so they are refused."""
-    from components.mixture import draw_weights, max_epochs
-
-    def rounded(w: dict) -> dict:
-        return {k: round(float(v), 9) for k, v in w.items()}
-
-    ours = (rounded(draw_weights(data, dataset)), max_epochs(data))
-    theirs = (rounded(seed.get("mixture", {})), seed.get("max_epochs", {}))
-    if ours != theirs:
-        raise ResumeError(
-            f"{where}: that run drew its sources by weights {theirs[0] or 'none (one source)'} and caps "
-            f"{theirs[1] or 'none'}, this one by {ours[0] or 'none (one source)'} and {ours[1] or 'none'}: a "
-            "seeded run continues the seed's sample order, which the weights decide from its first sample; "
-            "train with the seed's weights, or from scratch"
-        )
-
-
 def check_inputs(
     dataset: Manifest,
     model: ModelConfig,
@@ -102,7 +83,7 @@ def check_inputs(
             f"train split has only {n_blocks} blocks"
         )
     if data is not None:
-        from components.mixture import check_mixture_feeds
+        from components.mixture import check_mixture_feeds, check_seed_mixture  # it imports this module
 
         check_mixture_feeds(data, dataset, train.steps * per_step)
     recipe(train.precision).check_model(model)

@@ -137,15 +137,15 @@ def interruption_line(cfg: DictConfig, stages: StageLines, step: int | None, sto
 
 def _newest_checkpoint(cfg: DictConfig, stages: StageLines, store) -> str | None:
     """The newest stored checkpoint of this run's training identity, once its dataset is known."""
-    from components.identity import mixture_identity, training_identity
-    from components.mixture import draw_weights, max_epochs
+    from components.identity import training_identity
+    from components.mixture import identity_of
 
     tokenize = stages.ends.get("tokenize")
     dataset = getattr(summaries.find(tokenize.outputs), "ref", None) if tokenize else None  # its TokenizeSummary
     if not dataset:
         return None
     data = OmegaConf.to_object(cfg.data)
-    mixture = mixture_identity(draw_weights(data, store.manifest(Ref.parse(dataset))), max_epochs(data))
+    mixture = identity_of(data, store.manifest(Ref.parse(dataset)))
     identity = training_identity(dataset, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.train), mixture)
     mine = [m for m in store.versions("checkpoint", cfg.model.name) if m.metadata.get("identity") == identity]
     newest = max(mine, key=lambda m: (m.metadata.get("step", -1), m.created), default=None)

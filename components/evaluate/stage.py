@@ -22,7 +22,7 @@ from components.evaluate.metrics import (
 )
 from components.evaluate.report import identity_rows, report_html
 from components.hf import load_hf_model
-from components.mixture import source_blocks, source_refs
+from components.mixture import source_blocks, source_refs, trained_weights
 from components.sharded_model import checkpoint_of, dataset_of, export_head, in_pod, launch_replicas
 from components.store import ArtifactStore, Manifest, Ref
 from components.stream import open_split
@@ -151,7 +151,7 @@ def run_evaluate(model_ref: str, cfg: EvalConfig, store: ArtifactStore, cluster:
     data = store.manifest(Ref.parse(data_ref))
     if in_pod(cfg, model_manifest, pod_memory_gb):
         model_dir = store.fetch(model_manifest)
-        weights = {n: m["weight"] for n, m in model_manifest.metadata.get("mixture", {}).items()}
+        weights = trained_weights(model_manifest)
         metrics, samples = measure(model_dir, store, data, cfg, weights)
         base = None
         if cfg.baseline:

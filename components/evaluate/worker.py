@@ -25,7 +25,7 @@ from components.evaluate.metrics import (
     unigram_perplexity,
 )
 from components.evaluate.stage import UNIGRAM_CACHE_GB
-from components.mixture import source_blocks, source_refs
+from components.mixture import source_blocks, source_refs, trained_weights
 from components.sharded_model import ShardedLoadFailed, config_path, load_sharded, my_batches, run_replica, summed
 from components.store import ArtifactStore, Ref
 from components.stream import open_split
@@ -97,8 +97,7 @@ def measure_sharded(store: ArtifactStore, model_ref: str, data_ref: str, cfg, de
                 raise EvalFailed(f"{model_ref}: {failures[0][1]}")
             per[name] = sharded_perplexity(model, own, cfg, lengths, device)
             own.close()
-        weights = {n: m["weight"] for n, m in manifest.metadata.get("mixture", {}).items()}
-        metrics = mixture_metrics(per, weights or source_blocks(data, "val"))
+        metrics = mixture_metrics(per, trained_weights(manifest) or source_blocks(data, "val"))
     else:
         metrics = sharded_perplexity(model, val, cfg, lengths, device)
     val.close()

@@ -27,8 +27,8 @@ def preflight(
     from pathlib import Path
 
     from components import summaries
-    from components.identity import mixture_identity, trained_to_the_end
-    from components.mixture import draw_weights, max_epochs
+    from components.identity import trained_to_the_end
+    from components.mixture import identity_of
     from components.preflight.stage import gate, run_preflight, summary
     from components.prelaunch import check_inputs
     from components.store import Ref
@@ -44,7 +44,7 @@ def preflight(
         # the task KFP never retries, not in train's (retried: an evicted driver is not a bad config)
         manifest = t.store.manifest(Ref.parse(ref))
         check_inputs(manifest, g["model"], g["train"], g["cluster"], t.store, g["data"].cache_gb, data=g["data"])
-        mixture = mixture_identity(draw_weights(g["data"], manifest), max_epochs(g["data"]))
+        mixture = identity_of(g["data"], manifest)  # a mixture's weights: part of the identity
         if done := trained_to_the_end(ref, g["model"], g["train"], t.store, mixture):  # a resume with no step left
             why = f"{done} is at train.steps={g['train'].steps}: the resumed run trains no step"
             Path(report.path).write_text(f"# Preflight\n\nskipped: {why}\n")

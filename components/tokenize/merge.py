@@ -127,15 +127,17 @@ def publish_corpus(
         return store.manifest(ref), True
     stats = [m.metadata["stats"] for m in sources]
     splits = {s: {k: sum(st["splits"][s][k] for st in stats) for k in stats[0]["splits"][s]} for s in SPLITS}
-    summed = {k: sum(st[k] for st in stats) for k in ("documents_in",)}
-    first = stats[0]
-    keep = ("shards", "vocab_size", "eos_token_id", "dtype", "seq_len", "block_len")
-    corpus_stats = {**{k: first[k] for k in keep}, **summed, "splits": splits, "dropped": {}}
-    corpus_stats["shards"] = sum(st["shards"] for st in stats)
-    corpus_stats["sources"] = {m.ref.name: m.metadata["stats"]["splits"] for m in sources}
-    for st in stats:
-        for k, v in st["dropped"].items():
-            corpus_stats["dropped"][k] = corpus_stats["dropped"].get(k, 0) + v
+    shared = {k: stats[0][k] for k in ("vocab_size", "eos_token_id", "dtype", "seq_len", "block_len")}
+    corpus_stats = {
+        **shared,
+        "splits": splits,
+        "documents_in": sum(st["documents_in"] for st in stats),
+        "shards": sum(st["shards"] for st in stats),
+        "dropped": {
+            k: sum(st["dropped"].get(k, 0) for st in stats) for k in sorted({k for st in stats for k in st["dropped"]})
+        },
+        "sources": {m.ref.name: m.metadata["stats"]["splits"] for m in sources},
+    }
     listing = [{**row, "source": m.ref.name} for m in sources for row in m.metadata["shards"]]
     plain = {k: v for k, v in as_plain_dict(data).items() if k != "mixture"}
     with tempfile.TemporaryDirectory(prefix="liftoff-corpus-") as tmp:

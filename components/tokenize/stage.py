@@ -32,7 +32,8 @@ def run_tokenize(data: DataConfig, tok: TokenizerConfig, model: ModelConfig, sto
         return TokenizeResult(store.manifest(plans[0].dataset), reused=True)
     refs = []
     for plan in plans:
-        log.info("tokenizing into dataset %s: %d shard(s)", plan.dataset, plan.shards)
+        if not stored:
+            log.info("tokenizing into dataset %s: %d shard(s)", plan.dataset, plan.shards)
         refs += [str(run_shard(plan, i, data.source(plan.dataset.name), store)[0].ref) for i in range(plan.shards)]
     manifest, reused = merge_all(plans, refs, data, tok, store)
     if stored:

@@ -181,9 +181,6 @@ class BlockSampler:
         """Samples each source gave to global samples [0, sample)."""
         return dict(zip(self.mixture.names, (int(c) for c in self._recorded.before(sample)), strict=True))
 
-    def _counts_before(self, sample: int) -> np.ndarray:
-        return self._reading.before(sample)
-
     def locate_many(self, start: int, stop: int) -> list[tuple[int, int]]:
         """(shard, block) of the global samples [start, stop)."""
         return [self._orders[src].locate(n) for src, n in self._draws(start, stop)]
@@ -218,7 +215,7 @@ class BlockSampler:
         """(shard, block) of global sample `sample`."""
         return self.locate_many(sample, sample + 1)[0]
 
-    def _checked(self, src: int, n: int) -> int:
+    def _checked(self, src: int, n: int) -> None:
         cap = self.mixture.max_epochs[src]
         if cap is not None and n >= cap * self._orders[src].total:
             total = self._orders[src].total
@@ -227,14 +224,13 @@ class BlockSampler:
                 f"data.sources.{name}.max_epochs={cap:g}: the run reached draw {n + 1} of source {name}, "
                 f"which has {total} train blocks ({cap:g} passes = {int(cap * total)} draws)"
             )
-        return n
 
     def next_shard(self, sample: int) -> int:
         """The shard read after the one holding global sample `sample` (the one to prefetch)."""
         if len(self._orders) == 1:
             return self._orders[0].next_shard(sample)
         src = int(self.sources(sample, sample + 1)[0])
-        n = int(self._counts_before(sample)[src])
+        n = int(self._reading.before(sample)[src])
         return self._orders[src].next_shard(n)
 
     def indices(self, sample: int) -> list[tuple[int, int]]:
